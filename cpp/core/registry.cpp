@@ -1,0 +1,275 @@
+#include "tensor_ops/registry.h"
+
+#include <dirent.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "../cpu/cpu_backend.h"
+#include "env.h"
+#include "tensor_ops/errors.h"
+
+// TENSOR_OPS_BUILD_BACKENDS is set by CMake: "name=reason;..." for every
+// backend the build knows, the reason empty when its plugin was built.
+#ifndef TENSOR_OPS_BUILD_BACKENDS
+#define TENSOR_OPS_BUILD_BACKENDS ""
+#endif
+
+namespace tensor_ops {
+
+std::vector<std::string> split_list(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    size_t end = s.find(sep, start);
+    if (end == std::string::npos) end = s.size();
+    std::string item = s.substr(start, end - start);
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (!item.empty()) out.push_back(item);
+    start = end + 1;
+  }
+  return out;
+}
+
+std::string core_library_dir() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&core_library_dir), &info) == 0 || info.dli_fname == nullptr) return ".";
+  std::string path = info.dli_fname;
+  size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+Backend::Backend(const to_backend_v1* table, std::string library, void* handle)
+    : table_(table), name_(table->name), library_(std::move(library)), handle_(handle) {
+  char reason[512] = {0};
+  to_status st = table_->init(reason, sizeof(reason));
+  if (st != TO_OK) {
+    reason_ = reason[0] ? reason : "initialisation failed";
+    return;
+  }
+  priority_ = table_->priority();
+  if (table_->device_count() <= 0) {
+    reason_ = "no devices found";
+    return;
+  }
+  usable_ = true;
+}
+
+int Backend::device_count() const { return usable_ ? table_->device_count() : 0; }
+
+void Backend::check(to_status status, const char* what) const {
+  if (status == TO_OK) return;
+  const char* msg = table_->last_error ? table_->last_error() : nullptr;
+  throw_status(status, name_ + ": " + what + ": " + (msg && *msg ? msg : "failed"));
+}
+
+namespace {
+
+thread_local std::vector<std::string> scope_stack;
+std::mutex registry_mutex;
+
+struct BuildInfo {
+  std::string name, reason;
+};
+
+std::vector<BuildInfo> build_backends() {
+  std::vector<BuildInfo> out;
+  for (const std::string& item : split_list(TENSOR_OPS_BUILD_BACKENDS, ';')) {
+    size_t eq = item.find('=');
+    out.push_back({item.substr(0, eq), eq == std::string::npos ? "" : item.substr(eq + 1)});
+  }
+  return out;
+}
+
+}  // namespace
+
+Registry& Registry::instance() {
+  static Registry r;
+  return r;
+}
+
+Registry::Registry() {
+  add(std::make_unique<Backend>(cpu::cpu_backend_table(), "built-in", nullptr));
+  load_plugins_from(core_library_dir());
+  for (const std::string& dir : split_list(env_str("TENSOR_OPS_PLUGIN_PATH"), ':')) load_plugins_from(dir);
+  for (const BuildInfo& b : build_backends()) {
+    if (find(b.name)) continue;
+    BackendStatus s;
+    s.name = b.name;
+    s.compiled = false;
+    s.reason = b.reason.empty()
+                   ? "compiled, but its plugin libtensor_ops_" + b.name + ".so is missing from " + core_library_dir()
+                   : b.reason;
+    s.compiled = b.reason.empty();
+    missing_.push_back(s);
+  }
+}
+
+void Registry::add(std::unique_ptr<Backend> backend) {
+  for (const auto& b : backends_)
+    if (b->name() == backend->name()) return;  // first one found wins
+  backends_.push_back(std::move(backend));
+}
+
+void Registry::load_plugins_from(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (!d) return;
+  std::vector<std::string> files;
+  while (dirent* e = readdir(d)) {
+    std::string f = e->d_name;
+    if (f.rfind("libtensor_ops_", 0) == 0 && f.size() > 3 && f.compare(f.size() - 3, 3, ".so") == 0)
+      files.push_back(f);
+  }
+  closedir(d);
+  std::sort(files.begin(), files.end());
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (const std::string& f : files) {
+    std::string name = f.substr(14, f.size() - 17);
+    std::string path = dir + "/" + f;
+    if (find(name)) continue;
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    auto fail = [&](const std::string& why) {
+      missing_.erase(std::remove_if(missing_.begin(), missing_.end(),
+                                    [&](const BackendStatus& s) { return s.name == name; }),
+                     missing_.end());
+      missing_.push_back({name, true, false, why, 0, path});
+    };
+    if (!handle) {
+      const char* err = dlerror();
+      fail(std::string("plugin failed to load (its vendor runtime is probably missing): ") + (err ? err : "?"));
+      continue;
+    }
+    auto entry = reinterpret_cast<to_backend_entry_fn>(dlsym(handle, TENSOR_OPS_PLUGIN_ENTRY));
+    const to_backend_v1* table = entry ? entry() : nullptr;
+    if (!table) {
+      fail("plugin has no " TENSOR_OPS_PLUGIN_ENTRY " entry point");
+      dlclose(handle);
+      continue;
+    }
+    if (table->abi_version != TENSOR_OPS_PLUGIN_ABI_VERSION) {
+      fail("plugin ABI version " + std::to_string(table->abi_version) + ", core expects " +
+           std::to_string(TENSOR_OPS_PLUGIN_ABI_VERSION));
+      dlclose(handle);
+      continue;
+    }
+    missing_.erase(std::remove_if(missing_.begin(), missing_.end(),
+                                  [&](const BackendStatus& s) { return s.name == name; }),
+                   missing_.end());
+    add(std::make_unique<Backend>(table, path, handle));
+  }
+}
+
+Backend* Registry::find(const std::string& name) const {
+  for (const auto& b : backends_)
+    if (b->name() == name) return b.get();
+  return nullptr;
+}
+
+std::vector<Backend*> Registry::by_priority() const {
+  std::vector<Backend*> out;
+  for (const auto& b : backends_) out.push_back(b.get());
+  std::stable_sort(out.begin(), out.end(), [](Backend* a, Backend* b) { return a->priority() > b->priority(); });
+  return out;
+}
+
+std::vector<BackendStatus> Registry::status() const {
+  std::vector<BackendStatus> out;
+  for (Backend* b : by_priority()) out.push_back({b->name(), true, b->usable(), b->reason(), b->priority(), b->library()});
+  out.insert(out.end(), missing_.begin(), missing_.end());
+  return out;
+}
+
+std::vector<DeviceRecord> Registry::devices() const {
+  std::vector<DeviceRecord> out;
+  for (Backend* b : by_priority()) {
+    for (int i = 0; i < b->device_count(); ++i) {
+      DeviceRecord r;
+      r.backend = b->name();
+      r.device_id = i;
+      b->check(b->table().device_info(i, &r.info), "device_info");
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> Registry::known_names() const {
+  std::vector<std::string> out;
+  for (const BackendStatus& s : status()) out.push_back(s.name);
+  return out;
+}
+
+std::vector<std::string> Registry::usable_names() const {
+  std::vector<std::string> out;
+  for (Backend* b : by_priority())
+    if (b->usable()) out.push_back(b->name());
+  return out;
+}
+
+static std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+Backend& Registry::require(const std::string& name) const {
+  Backend* b = find(name);
+  if (!b) {
+    for (const BackendStatus& s : missing_)
+      if (s.name == name)
+        throw BackendUnavailable("backend '" + name + "' is not available: " + s.reason +
+                                 " (usable backends: " + join(usable_names()) + ")");
+    throw InvalidArgument("unknown backend '" + name + "'; valid backends: " + join(known_names()) +
+                          "; usable here: " + join(usable_names()));
+  }
+  if (!b->usable())
+    throw BackendUnavailable("backend '" + name + "' is not usable: " + b->reason() +
+                             " (usable backends: " + join(usable_names()) + ")");
+  return *b;
+}
+
+Backend& Registry::active() const {
+  if (!scope_stack.empty()) return require(scope_stack.back());
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (!selected_.empty()) return require(selected_);
+  }
+  std::string forced = env_str("TENSOR_OPS_BACKEND");
+  if (!forced.empty() && forced != "auto") return require(forced);
+  const std::vector<std::string> order = split_list(env_str("TENSOR_OPS_PRIORITY"));
+  if (!order.empty()) {
+    const std::vector<std::string> known = known_names();
+    for (const std::string& name : order) {
+      // A typo in the priority list is an error, not a silent skip.
+      if (std::find(known.begin(), known.end(), name) == known.end())
+        throw InvalidArgument("TENSOR_OPS_PRIORITY names unknown backend '" + name +
+                              "'; valid backends: " + join(known));
+      Backend* b = find(name);
+      if (b && b->usable()) return *b;
+    }
+  }
+  for (Backend* b : by_priority())
+    if (b->usable()) return *b;
+  throw BackendUnavailable("no usable backend");
+}
+
+void Registry::set_backend(const std::string& name) {
+  if (!name.empty() && name != "auto") require(name);
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  selected_ = name == "auto" ? "" : name;
+}
+
+std::string Registry::selected_name() const { return active().name(); }
+
+void Registry::push_scope(const std::string& name) {
+  require(name);
+  scope_stack.push_back(name);
+}
+
+void Registry::pop_scope() {
+  if (!scope_stack.empty()) scope_stack.pop_back();
+}
+
+}  // namespace tensor_ops

@@ -1,0 +1,78 @@
+#include "tensor_ops/tensor.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "tensor_ops/errors.h"
+
+namespace tensor_ops {
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+Tensor::Tensor(void* data, DType dtype, std::vector<int64_t> shape, std::vector<int64_t> strides,
+               Device device, std::shared_ptr<void> owner)
+    : data_(data), dtype_(dtype), shape_(std::move(shape)), strides_(std::move(strides)),
+      device_(std::move(device)), owner_(std::move(owner)) {
+  if (shape_.size() > TENSOR_OPS_MAX_DIMS)
+    throw InvalidArgument("tensor has " + std::to_string(shape_.size()) + " dimensions; at most " +
+                          std::to_string(TENSOR_OPS_MAX_DIMS) + " are supported");
+  // Sizes must be non-negative and numel * itemsize must fit in int64.
+  const int64_t limit = std::numeric_limits<int64_t>::max() / 8;
+  int64_t n = 1;
+  for (int64_t d : shape_) {
+    if (d < 0) throw InvalidArgument("negative dimension in shape " + shape_str(shape_));
+    if (d != 0 && n > limit / d)
+      throw InvalidArgument("shape " + shape_str(shape_) + " overflows the addressable size");
+    n *= d;
+  }
+  if (strides_.empty()) {
+    strides_.resize(shape_.size());
+    int64_t s = 1;
+    for (size_t i = shape_.size(); i-- > 0;) {
+      strides_[i] = s;
+      s *= std::max<int64_t>(shape_[i], 1);
+    }
+  } else if (strides_.size() != shape_.size()) {
+    throw InvalidArgument("strides " + shape_str(strides_) + " do not match shape " + shape_str(shape_));
+  }
+  if (data_ == nullptr && n != 0) throw InvalidArgument("tensor " + describe() + " has a null data pointer");
+}
+
+int64_t Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape_) n *= d;
+  return n;
+}
+
+bool Tensor::is_contiguous() const {
+  int64_t s = 1;
+  for (size_t i = shape_.size(); i-- > 0;) {
+    if (shape_[i] != 1 && strides_[i] != s) return false;
+    s *= shape_[i];
+  }
+  return true;
+}
+
+std::string Tensor::describe() const {
+  std::string s = std::string(dtype_name(dtype_)) + shape_str(shape_);
+  if (!device_.is_host()) s += " on " + device_.str();
+  return s;
+}
+
+std::pair<uintptr_t, uintptr_t> Tensor::byte_span() const {
+  if (numel() == 0) return {0, 0};
+  int64_t lo = 0, hi = 0;
+  for (size_t i = 0; i < shape_.size(); ++i) {
+    int64_t ext = (shape_[i] - 1) * strides_[i];
+    (ext < 0 ? lo : hi) += ext;
+  }
+  const int64_t item = int64_t(dtype_size(dtype_));
+  auto base = reinterpret_cast<uintptr_t>(data_);
+  return {base + uintptr_t(lo * item), base + uintptr_t((hi + 1) * item)};
+}
+
+}  // namespace tensor_ops

@@ -1,0 +1,262 @@
+#include "cpu_backend.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <vector>
+
+#include "isa.h"
+#include "tensor_ops/errors.h"
+#include "tensor_ops/ops.h"
+#include "thread_pool.h"
+
+namespace tensor_ops::cpu {
+namespace {
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false, avx512f = false, avx512bw = false, avx512vl = false,
+       avx512dq = false, avx512_bf16 = false;
+};
+
+CpuFeatures detect() {
+  CpuFeatures f;
+#ifdef TENSOR_OPS_CPU_X86
+  __builtin_cpu_init();
+  f.avx2 = __builtin_cpu_supports("avx2");
+  f.fma = __builtin_cpu_supports("fma");
+  f.f16c = __builtin_cpu_supports("f16c");
+  f.avx512f = __builtin_cpu_supports("avx512f");
+  f.avx512bw = __builtin_cpu_supports("avx512bw");
+  f.avx512vl = __builtin_cpu_supports("avx512vl");
+  f.avx512dq = __builtin_cpu_supports("avx512dq");
+  f.avx512_bf16 = __builtin_cpu_supports("avx512bf16");
+#endif
+  return f;
+}
+
+const CpuFeatures& features() {
+  static const CpuFeatures f = detect();
+  return f;
+}
+
+std::vector<const IsaKernels*> supported_levels() {
+  std::vector<const IsaKernels*> v{&kernels_baseline};
+#ifdef TENSOR_OPS_CPU_X86
+  const CpuFeatures& f = features();
+  if (f.avx2 && f.fma && f.f16c) v.push_back(&kernels_avx2);
+  if (f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq)
+    v.push_back(&kernels_avx512);
+#endif
+  return v;
+}
+
+const IsaKernels* pick_level(const std::string& name) {
+  static const char* known[] = {"baseline", "avx2", "avx512"};
+  if (std::find_if(std::begin(known), std::end(known), [&](const char* k) { return name == k; }) ==
+      std::end(known))
+    throw InvalidArgument("unknown CPU ISA level '" + name + "'; valid: baseline, avx2, avx512, auto");
+  for (const IsaKernels* k : supported_levels())
+    if (name == k->name) return k;
+  throw Unsupported("this CPU cannot run the '" + name + "' kernels (supported: " + [] {
+    std::string s;
+    for (const IsaKernels* k : supported_levels()) s += (s.empty() ? "" : ", ") + std::string(k->name);
+    return s;
+  }() + ")");
+}
+
+const IsaKernels* initial_level() {
+  const char* env = std::getenv("TENSOR_OPS_CPU_ISA");
+  if (env && *env && std::string(env) != "auto") {
+    // A level above what the CPU has falls back to the best it has.
+    try {
+      return pick_level(env);
+    } catch (const Unsupported&) {
+    } catch (const InvalidArgument&) {
+    }
+  }
+  return supported_levels().back();
+}
+
+std::atomic<const IsaKernels*>& level() {
+  static std::atomic<const IsaKernels*> l{initial_level()};
+  return l;
+}
+
+thread_local std::string last_error_text;
+
+// Work per task: about 64 KiB of data, so small calls stay on one thread.
+int64_t grain_for(int64_t bytes_per_item) { return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, bytes_per_item)); }
+
+DType dt_of(const to_tensor& t) { return DType(t.dtype); }
+
+to_status run_rms_norm(const to_op_call* c) {
+  const to_tensor &x = c->inputs[0], &w = c->inputs[1], &y = c->outputs[0];
+  const int64_t rows = x.shape[0], cols = x.shape[1];
+  const IsaKernels* k = level().load();
+  std::vector<float> wf(static_cast<size_t>(cols));
+  k->to_float(dt_of(w), w.data, wf.data(), cols);
+  const float eps = float(c->scalars[0]);
+  const int64_t item = int64_t(dtype_size(dt_of(x)));
+  ThreadPool::instance().parallel_for(rows, grain_for(cols * item * 2), [&](int64_t r0, int64_t r1) {
+    k->rms_norm(dt_of(x), x.data, x.strides[0], wf.data(), y.data, y.strides[0], r0, r1, cols, eps);
+  });
+  return TO_OK;
+}
+
+// Elementwise ops: one flat span when both views are contiguous, else row by row.
+template <class F>
+to_status run_unary(const to_op_call* c, F span_fn) {
+  const to_tensor &x = c->inputs[0], &y = c->outputs[0];
+  const int64_t rows = x.shape[0], cols = x.shape[1];
+  const int64_t item = int64_t(dtype_size(dt_of(x)));
+  const auto* xb = static_cast<const char*>(x.data);
+  auto* yb = static_cast<char*>(y.data);
+  if ((rows == 1 || (x.strides[0] == cols && y.strides[0] == cols))) {
+    const int64_t n = rows * cols;
+    constexpr int64_t align = 64;  // chunk boundaries on whole cache lines
+    const int64_t blocks = (n + align - 1) / align;
+    ThreadPool::instance().parallel_for(blocks, grain_for(align * item * 2), [&](int64_t b0, int64_t b1) {
+      const int64_t i0 = b0 * align, i1 = std::min(n, b1 * align);
+      span_fn(xb + i0 * item, yb + i0 * item, i1 - i0);
+    });
+  } else {
+    ThreadPool::instance().parallel_for(rows, grain_for(cols * item * 2), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        span_fn(xb + r * x.strides[0] * item, yb + r * y.strides[0] * item, cols);
+    });
+  }
+  return TO_OK;
+}
+
+to_status run_silu(const to_op_call* c) {
+  const IsaKernels* k = level().load();
+  const DType dt = dt_of(c->inputs[0]);
+  return run_unary(c, [&](const void* x, void* y, int64_t n) { k->silu(dt, x, y, n); });
+}
+
+to_status run_gelu(const to_op_call* c) {
+  const IsaKernels* k = level().load();
+  const DType dt = dt_of(c->inputs[0]);
+  const int64_t mode = c->ints[0];
+  return run_unary(c, [&](const void* x, void* y, int64_t n) { k->gelu(dt, x, y, n, mode); });
+}
+
+std::string cpuinfo_field(const char* key) {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) {
+      size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
+    }
+  }
+  return "";
+}
+
+void copy_str(char* dst, size_t n, const std::string& s) {
+  std::snprintf(dst, n, "%s", s.c_str());
+}
+
+to_status cpu_init(char*, size_t) { return TO_OK; }
+int32_t cpu_priority() { return 50; }
+int32_t cpu_device_count() { return 1; }
+
+to_status cpu_mem_info(int32_t, uint64_t* free_bytes, uint64_t* total_bytes) {
+  const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE));
+  *total_bytes = uint64_t(sysconf(_SC_PHYS_PAGES)) * page;
+  *free_bytes = uint64_t(sysconf(_SC_AVPHYS_PAGES)) * page;
+  return TO_OK;
+}
+
+to_status cpu_device_info(int32_t device, to_device_info* out) {
+  if (device != 0) {
+    last_error_text = "cpu has one device (0), asked for " + std::to_string(device);
+    return TO_ERR_INVALID_ARGUMENT;
+  }
+  *out = to_device_info{};
+  std::string name = cpuinfo_field("model name");
+  copy_str(out->name, sizeof(out->name), name.empty() ? "CPU" : name);
+  copy_str(out->vendor, sizeof(out->vendor), cpuinfo_field("vendor_id"));
+  copy_str(out->compute_capability, sizeof(out->compute_capability), active_isa());
+  out->device_type = TO_DEVICE_CPU;
+  uint64_t free_b = 0, total_b = 0;
+  cpu_mem_info(0, &free_b, &total_b);
+  out->total_memory_bytes = total_b;
+  out->is_available = 1;
+  const CpuFeatures& f = features();
+  std::string isas;
+  for (const std::string& s : supported_isas()) isas += (isas.empty() ? "" : ",") + s;
+  std::string props = "isa=" + active_isa() + "\nsupported_isas=" + isas +
+                      "\nthreads=" + std::to_string(num_threads()) + "\nhas_avx2=" + std::to_string(f.avx2) +
+                      "\nhas_fma=" + std::to_string(f.fma) + "\nhas_f16c=" + std::to_string(f.f16c) +
+                      "\nhas_avx512=" + std::to_string(f.avx512f) +
+                      "\nhas_avx512_bf16=" + std::to_string(f.avx512_bf16);
+  copy_str(out->properties, sizeof(out->properties), props);
+  return TO_OK;
+}
+
+to_status cpu_allocate(int32_t, size_t bytes, void** ptr) {
+  *ptr = bytes ? std::aligned_alloc(64, (bytes + 63) / 64 * 64) : nullptr;
+  if (bytes && !*ptr) {
+    last_error_text = "host allocation of " + std::to_string(bytes) + " bytes failed";
+    return TO_ERR_OUT_OF_MEMORY;
+  }
+  return TO_OK;
+}
+
+void cpu_deallocate(int32_t, void* ptr, size_t) { std::free(ptr); }
+
+to_status cpu_copy(int32_t, void* dst, const void* src, size_t bytes, int32_t) {
+  if (bytes) std::memcpy(dst, src, bytes);
+  return TO_OK;
+}
+
+to_status cpu_synchronize(int32_t) { return TO_OK; }
+const char* cpu_last_error() { return last_error_text.c_str(); }
+
+to_backend_v1 make_table() {
+  to_backend_v1 t{};
+  t.abi_version = TENSOR_OPS_PLUGIN_ABI_VERSION;
+  t.name = "cpu";
+  t.init = cpu_init;
+  t.priority = cpu_priority;
+  t.device_count = cpu_device_count;
+  t.device_info = cpu_device_info;
+  t.mem_info = cpu_mem_info;
+  t.allocate = cpu_allocate;
+  t.deallocate = cpu_deallocate;
+  t.copy = cpu_copy;
+  t.synchronize = cpu_synchronize;
+  t.last_error = cpu_last_error;
+  t.kernels[int(OpId::rms_norm)] = run_rms_norm;
+  t.kernels[int(OpId::silu)] = run_silu;
+  t.kernels[int(OpId::gelu)] = run_gelu;
+  return t;
+}
+
+}  // namespace
+
+const to_backend_v1* cpu_backend_table() {
+  static const to_backend_v1 table = make_table();
+  return &table;
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> out;
+  for (const IsaKernels* k : supported_levels()) out.push_back(k->name);
+  return out;
+}
+
+std::string active_isa() { return level().load()->name; }
+
+void set_isa(const std::string& name) {
+  level().store(name == "auto" ? supported_levels().back() : pick_level(name));
+}
+
+int num_threads() { return ThreadPool::instance().num_threads(); }
+
+}  // namespace tensor_ops::cpu

@@ -1,0 +1,22 @@
+#pragma once
+// The CPU backend: built into the core, always usable.
+#include <string>
+#include <vector>
+
+#include "tensor_ops/plugin.h"
+
+namespace tensor_ops::cpu {
+
+const to_backend_v1* cpu_backend_table();
+
+// ISA levels this CPU runs ("baseline", "avx2", "avx512"), lowest first.
+std::vector<std::string> supported_isas();
+// The level the kernels use now: the best supported one, capped by the
+// TENSOR_OPS_CPU_ISA environment variable or set_isa().
+std::string active_isa();
+// Throws InvalidArgument for an unknown level, Unsupported for one this CPU
+// lacks. "auto" returns to the best level.
+void set_isa(const std::string& name);
+int num_threads();
+
+}  // namespace tensor_ops::cpu

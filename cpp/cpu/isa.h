@@ -1,0 +1,28 @@
+#pragma once
+// The CPU kernels of one instruction-set level. kernels_impl.h is compiled
+// once per level (baseline, AVX2+FMA+F16C, AVX-512) and the best level the
+// CPU runs is chosen at run time by cpuid.
+#include <cstdint>
+
+#include "tensor_ops/dtype.h"
+
+namespace tensor_ops::cpu {
+
+struct IsaKernels {
+  const char* name;
+  // Rows [r0, r1) of x (row stride xs) into y (row stride ys); w is fp32.
+  void (*rms_norm)(DType dt, const void* x, int64_t xs, const float* w, void* y, int64_t ys, int64_t r0,
+                   int64_t r1, int64_t cols, float eps);
+  // Contiguous spans of n elements.
+  void (*silu)(DType dt, const void* x, void* y, int64_t n);
+  void (*gelu)(DType dt, const void* x, void* y, int64_t n, int64_t tanh_mode);
+  void (*to_float)(DType dt, const void* src, float* dst, int64_t n);
+};
+
+extern const IsaKernels kernels_baseline;
+#ifdef TENSOR_OPS_CPU_X86
+extern const IsaKernels kernels_avx2;
+extern const IsaKernels kernels_avx512;
+#endif
+
+}  // namespace tensor_ops::cpu

@@ -1,0 +1,185 @@
+// The CPU kernels, compiled once per ISA level. The including file defines
+// TENSOR_OPS_ISA_NS (the namespace) and TENSOR_OPS_ISA_NAME, and is built
+// with that level's compiler flags.
+#include <cstdint>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "isa.h"
+
+namespace tensor_ops::cpu {
+namespace TENSOR_OPS_ISA_NS {
+namespace {
+
+#include "vec_math.h"
+
+constexpr int64_t kBlock = 512;
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// Storage <-> fp32 for n contiguous elements.
+template <DType D>
+inline void load_f32(const void* src, float* dst, int64_t n) {
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  if constexpr (D == DType::BFloat16) {
+    for (; i < n; ++i) dst[i] = bf16_bits_to_f32(s[i]);
+  } else {
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+#endif
+    for (; i < n; ++i) dst[i] = half_bits_to_f32(s[i]);
+  }
+}
+
+template <DType D>
+inline void store_f32(const float* src, void* dst, int64_t n) {
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  int64_t i = 0;
+  if constexpr (D == DType::BFloat16) {
+    for (; i < n; ++i) d[i] = f32_to_bf16_bits(src[i]);
+  } else {
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; ++i) d[i] = f32_to_half_bits(src[i]);
+  }
+}
+
+// Sum of squares with 16 independent lanes (vectorises, and keeps the fp32
+// rounding error small); blocks are added up in double by the caller.
+inline float sum_squares(const float* v, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += v[i + j] * v[i + j];
+  for (; i < n; ++i) acc[i & 15] += v[i] * v[i];
+  float s = 0;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  return s;
+}
+
+template <DType D>
+void rms_norm_t(const void* x, int64_t xs, const float* w, void* y, int64_t ys, int64_t r0, int64_t r1,
+                int64_t cols, float eps) {
+  constexpr int64_t item = D == DType::Float32 ? 4 : 2;
+  alignas(64) float buf[kBlock];
+  for (int64_t r = r0; r < r1; ++r) {
+    const char* xr = static_cast<const char*>(x) + r * xs * item;
+    char* yr = static_cast<char*>(y) + r * ys * item;
+    double total = 0;
+    for (int64_t c = 0; c < cols; c += kBlock) {
+      const int64_t n = min64(kBlock, cols - c);
+      const float* v;
+      if constexpr (D == DType::Float32) {
+        v = reinterpret_cast<const float*>(xr) + c;
+      } else {
+        load_f32<D>(xr + c * item, buf, n);
+        v = buf;
+      }
+      total += double(sum_squares(v, n));
+    }
+    const float scale = float(1.0 / __builtin_sqrt(total / double(cols) + double(eps)));
+    for (int64_t c = 0; c < cols; c += kBlock) {
+      const int64_t n = min64(kBlock, cols - c);
+      const float* wc = w + c;
+      if constexpr (D == DType::Float32) {
+        const float* v = reinterpret_cast<const float*>(xr) + c;
+        float* o = reinterpret_cast<float*>(yr) + c;
+        for (int64_t i = 0; i < n; ++i) o[i] = v[i] * scale * wc[i];
+      } else {
+        load_f32<D>(xr + c * item, buf, n);
+        for (int64_t i = 0; i < n; ++i) buf[i] = buf[i] * scale * wc[i];
+        store_f32<D>(buf, yr + c * item, n);
+      }
+    }
+  }
+}
+
+// y = f(x) elementwise over a contiguous span.
+template <DType D, class F>
+inline void map_span(const void* x, void* y, int64_t n, F f) {
+  if constexpr (D == DType::Float32) {
+    const float* xs = static_cast<const float*>(x);
+    float* ys = static_cast<float*>(y);
+    for (int64_t i = 0; i < n; ++i) ys[i] = f(xs[i]);
+  } else {
+    alignas(64) float buf[kBlock];
+    for (int64_t c = 0; c < n; c += kBlock) {
+      const int64_t m = min64(kBlock, n - c);
+      load_f32<D>(static_cast<const uint16_t*>(x) + c, buf, m);
+      for (int64_t i = 0; i < m; ++i) buf[i] = f(buf[i]);
+      store_f32<D>(buf, static_cast<uint16_t*>(y) + c, m);
+    }
+  }
+}
+
+struct Silu {
+  float operator()(float v) const { return silu_f32(v); }
+};
+struct GeluErf {
+  float operator()(float v) const { return gelu_erf_f32(v); }
+};
+struct GeluTanh {
+  float operator()(float v) const { return gelu_tanh_f32(v); }
+};
+
+template <class F>
+void map_dispatch(DType dt, const void* x, void* y, int64_t n, F f) {
+  switch (dt) {
+    case DType::Float32: map_span<DType::Float32>(x, y, n, f); break;
+    case DType::Float16: map_span<DType::Float16>(x, y, n, f); break;
+    case DType::BFloat16: map_span<DType::BFloat16>(x, y, n, f); break;
+  }
+}
+
+void rms_norm(DType dt, const void* x, int64_t xs, const float* w, void* y, int64_t ys, int64_t r0, int64_t r1,
+              int64_t cols, float eps) {
+  switch (dt) {
+    case DType::Float32: rms_norm_t<DType::Float32>(x, xs, w, y, ys, r0, r1, cols, eps); break;
+    case DType::Float16: rms_norm_t<DType::Float16>(x, xs, w, y, ys, r0, r1, cols, eps); break;
+    case DType::BFloat16: rms_norm_t<DType::BFloat16>(x, xs, w, y, ys, r0, r1, cols, eps); break;
+  }
+}
+
+void silu(DType dt, const void* x, void* y, int64_t n) { map_dispatch(dt, x, y, n, Silu{}); }
+
+void gelu(DType dt, const void* x, void* y, int64_t n, int64_t tanh_mode) {
+  if (tanh_mode)
+    map_dispatch(dt, x, y, n, GeluTanh{});
+  else
+    map_dispatch(dt, x, y, n, GeluErf{});
+}
+
+void to_float(DType dt, const void* src, float* dst, int64_t n) {
+  switch (dt) {
+    case DType::Float32:
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<const float*>(src)[i];
+      break;
+    case DType::Float16: load_f32<DType::Float16>(src, dst, n); break;
+    case DType::BFloat16: load_f32<DType::BFloat16>(src, dst, n); break;
+  }
+}
+
+}  // namespace
+}  // namespace TENSOR_OPS_ISA_NS
+
+#define TENSOR_OPS_CAT2(a, b) a##b
+#define TENSOR_OPS_CAT(a, b) TENSOR_OPS_CAT2(a, b)
+const IsaKernels TENSOR_OPS_CAT(kernels_, TENSOR_OPS_ISA_NS) = {
+    TENSOR_OPS_ISA_NAME,      TENSOR_OPS_ISA_NS::rms_norm, TENSOR_OPS_ISA_NS::silu,
+    TENSOR_OPS_ISA_NS::gelu, TENSOR_OPS_ISA_NS::to_float,
+};
+
+}  // namespace tensor_ops::cpu

@@ -1,0 +1,93 @@
+#include "thread_pool.h"
+
+#include <sched.h>
+
+#include <cstdlib>
+#include <string>
+
+namespace tensor_ops::cpu {
+
+int default_num_threads() {
+  if (const char* env = std::getenv("TENSOR_OPS_NUM_THREADS")) {
+    int n = std::atoi(env);
+    if (n >= 1) return n > 1024 ? 1024 : n;
+  }
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    int n = CPU_COUNT(&set);
+    if (n >= 1) return n;
+  }
+  unsigned hc = std::thread::hardware_concurrency();
+  return hc ? int(hc) : 1;
+}
+
+ThreadPool& ThreadPool::instance() {
+  static ThreadPool pool(default_num_threads());
+  return pool;
+}
+
+ThreadPool::ThreadPool(int threads) : num_threads_(threads < 1 ? 1 : threads) {
+  for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i] { worker(i); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    stop_ = true;
+  }
+  start_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+static void chunk_range(int64_t n, int64_t chunks, int64_t i, int64_t& b, int64_t& e) {
+  b = n * i / chunks;
+  e = n * (i + 1) / chunks;
+}
+
+void ThreadPool::worker(int index) {
+  uint64_t seen = 0;
+  for (;;) {
+    std::unique_lock<std::mutex> lock(m_);
+    start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+    if (stop_) return;
+    seen = generation_;
+    const auto* fn = fn_;
+    const int64_t n = n_, chunks = chunks_;
+    lock.unlock();
+    if (index < chunks) {
+      int64_t b, e;
+      chunk_range(n, chunks, index, b, e);
+      (*fn)(b, e);
+    }
+    lock.lock();
+    if (--pending_ == 0) done_cv_.notify_one();
+  }
+}
+
+void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  if (grain < 1) grain = 1;
+  int64_t chunks = n / grain;
+  if (chunks > num_threads_) chunks = num_threads_;
+  std::unique_lock<std::mutex> run(run_mutex_, std::try_to_lock);
+  if (chunks <= 1 || !run.owns_lock()) {
+    fn(0, n);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    fn_ = &fn;
+    n_ = n;
+    chunks_ = chunks;
+    pending_ = int(workers_.size());
+    ++generation_;
+  }
+  start_cv_.notify_all();
+  int64_t b, e;
+  chunk_range(n, chunks, 0, b, e);
+  fn(b, e);
+  std::unique_lock<std::mutex> lock(m_);
+  done_cv_.wait(lock, [&] { return pending_ == 0; });
+}
+
+}  // namespace tensor_ops::cpu

@@ -1,0 +1,42 @@
+#pragma once
+// A fixed pool of worker threads for the CPU kernels. Size: the
+// TENSOR_OPS_NUM_THREADS environment variable, else the CPUs this process may
+// run on. One parallel region at a time; a caller that finds the pool busy
+// (another thread's op) runs its work inline instead of waiting.
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace tensor_ops::cpu {
+
+class ThreadPool {
+ public:
+  static ThreadPool& instance();
+  ~ThreadPool();
+  int num_threads() const { return num_threads_; }
+  // Calls fn(begin, end) over [0, n) split into at most num_threads() ranges
+  // of at least `grain` items each.
+  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+ private:
+  explicit ThreadPool(int threads);
+  void worker(int index);
+
+  int num_threads_;
+  std::vector<std::thread> workers_;
+  std::mutex run_mutex_;  // one parallel region at a time
+  std::mutex m_;
+  std::condition_variable start_cv_, done_cv_;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  int64_t n_ = 0, chunks_ = 0;
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  bool stop_ = false;
+};
+
+int default_num_threads();
+
+}  // namespace tensor_ops::cpu

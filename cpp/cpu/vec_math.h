@@ -1,0 +1,92 @@
+// Scalar math written so the compiler vectorises the loops that call it.
+// Included inside each ISA namespace by kernels_impl.h: no includes here and
+// nothing shared between ISA translation units (so no out-of-line copy built
+// for AVX-512 can be picked by baseline code).
+
+inline float bits_to_f32(uint32_t u) { return __builtin_bit_cast(float, u); }
+inline uint32_t f32_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
+
+inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// e^x, ~1 ulp on [-87.3, 88.3] (Cephes expf); inputs outside are clamped,
+// NaN stays NaN.
+inline float exp_f32(float x) {
+  float xc = clampf(x, -87.3f, 88.3f);
+  xc = x != x ? x : xc;
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t ni = int32_t(n);
+  return p * bits_to_f32(uint32_t(ni + 127) << 23);
+}
+
+inline float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
+
+// erfc via Numerical Recipes' erfcc (fractional error < 1.2e-7 everywhere),
+// so gelu keeps its relative accuracy in the negative tail too.
+inline float erfc_f32(float t) {
+  const float z = t < 0 ? -t : t;
+  const float u = 1.0f / (1.0f + 0.5f * z);
+  float p = 0.17087277f;
+  p = p * u - 0.82215223f;
+  p = p * u + 1.48851587f;
+  p = p * u - 1.13520398f;
+  p = p * u + 0.27886807f;
+  p = p * u - 0.18628806f;
+  p = p * u + 0.09678418f;
+  p = p * u + 0.37409196f;
+  p = p * u + 1.00002368f;
+  p = p * u - 1.26551223f;
+  const float ans = u * exp_f32(p - z * z);
+  return t >= 0 ? ans : 2.0f - ans;
+}
+
+inline float gelu_erf_f32(float x) { return 0.5f * x * erfc_f32(x * -0.70710678118654752f); }
+
+// 0.5 x (1 + tanh(u)) == x * sigmoid(2u): no cancellation for small u.
+inline float gelu_tanh_f32(float x) {
+  const float u = 0.79788456080286536f * (x + 0.044715f * x * x * x);
+  return x / (1.0f + exp_f32(-2.0f * u));
+}
+
+inline float bf16_bits_to_f32(uint16_t h) { return bits_to_f32(uint32_t(h) << 16); }
+
+inline uint16_t f32_to_bf16_bits(float f) {
+  const uint32_t u = f32_to_bits(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+inline float half_bits_to_f32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  // normal and denormal by one multiply (2^112 rebias); inf/NaN fixed after.
+  float v = bits_to_f32(em << 13) * 5.192296858534828e+33f;
+  v = em >= 0x7c00u ? bits_to_f32(0x7f800000u | (em << 13)) : v;
+  return bits_to_f32(f32_to_bits(v) | sign);
+}
+
+inline uint16_t f32_to_half_bits(float f) {
+  const uint32_t u = f32_to_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7fffffffu;
+  uint32_t out;
+  if (a > 0x7f800000u) {
+    out = 0x7e00u | ((a >> 13) & 0x3ffu);
+  } else if (a >= 0x477ff000u) {
+    out = 0x7c00u;
+  } else if (a < 0x38800000u) {
+    out = f32_to_bits(bits_to_f32(a) + 0.5f) - 0x3f000000u;
+  } else {
+    out = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
+  }
+  return uint16_t(sign | out);
+}

@@ -1,0 +1,107 @@
+/* The backend plugin boundary: plain C, versioned.
+ *
+ * Every backend (the built-in CPU one included) is a table of function
+ * pointers. A plugin is a shared library named libtensor_ops_<name>.so beside
+ * the core library that exports `tensor_ops_backend_v1`, returning its table.
+ * The core validates all arguments before a kernel sees them, so kernels trust
+ * their input. Functions return a to_status; on failure the backend's
+ * last_error() gives a message (thread-local in the backend).
+ */
+#ifndef TENSOR_OPS_PLUGIN_H
+#define TENSOR_OPS_PLUGIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TENSOR_OPS_PLUGIN_ABI_VERSION 1u
+#define TENSOR_OPS_MAX_OPS 64
+#define TENSOR_OPS_MAX_DIMS 8
+#define TENSOR_OPS_MAX_OP_TENSORS 8
+
+typedef enum to_status {
+  TO_OK = 0,
+  TO_ERR_INVALID_ARGUMENT = 1,
+  TO_ERR_UNSUPPORTED = 2,
+  TO_ERR_BACKEND_UNAVAILABLE = 3,
+  TO_ERR_OUT_OF_MEMORY = 4,
+  TO_ERR_DEVICE = 5,
+  TO_ERR_INTERNAL = 6
+} to_status;
+
+typedef enum to_dtype { TO_FLOAT32 = 0, TO_FLOAT16 = 1, TO_BFLOAT16 = 2 } to_dtype;
+
+typedef enum to_device_type {
+  TO_DEVICE_CPU = 0,
+  TO_DEVICE_GPU = 1,
+  TO_DEVICE_ACCELERATOR = 2,
+  TO_DEVICE_OTHER = 3
+} to_device_type;
+
+/* A strided view; strides are in elements. */
+typedef struct to_tensor {
+  void* data;
+  int32_t dtype;
+  int32_t ndim;
+  int64_t shape[TENSOR_OPS_MAX_DIMS];
+  int64_t strides[TENSOR_OPS_MAX_DIMS];
+  int32_t device_id;
+} to_tensor;
+
+/* One op invocation. Row-wise ops receive 2-D views [rows, cols] with
+ * strides [row_stride, 1] (the core collapses higher ranks). */
+typedef struct to_op_call {
+  int32_t op;
+  int32_t n_inputs;
+  int32_t n_outputs;
+  to_tensor inputs[TENSOR_OPS_MAX_OP_TENSORS];
+  to_tensor outputs[TENSOR_OPS_MAX_OP_TENSORS];
+  double scalars[4];
+  int64_t ints[4];
+  void* stream; /* backend stream handle or NULL for the default */
+} to_op_call;
+
+typedef struct to_device_info {
+  char name[256];
+  char vendor[128];
+  char driver_version[128];
+  char compute_capability[64];
+  int32_t device_type; /* to_device_type */
+  uint64_t total_memory_bytes;
+  int32_t is_available;
+  /* "key=value" lines: backend-specific facts (ISA level, compute units...) */
+  char properties[2048];
+} to_device_info;
+
+typedef to_status (*to_kernel_fn)(const to_op_call* call);
+
+typedef struct to_backend_v1 {
+  uint32_t abi_version; /* TENSOR_OPS_PLUGIN_ABI_VERSION */
+  const char* name;
+  /* Probes the vendor runtime. TO_OK: usable. Otherwise writes why not. */
+  to_status (*init)(char* reason, size_t reason_len);
+  /* Default rank when several are usable; higher runs first. */
+  int32_t (*priority)(void);
+  int32_t (*device_count)(void);
+  to_status (*device_info)(int32_t device, to_device_info* out);
+  to_status (*mem_info)(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes);
+  to_status (*allocate)(int32_t device, size_t bytes, void** ptr);
+  void (*deallocate)(int32_t device, void* ptr, size_t bytes);
+  /* kind: 0 host->device, 1 device->host, 2 device->device */
+  to_status (*copy)(int32_t device, void* dst, const void* src, size_t bytes, int32_t kind);
+  to_status (*synchronize)(int32_t device);
+  const char* (*last_error)(void);
+  /* Indexed by op id (ops.def); NULL means the op is unsupported here. */
+  to_kernel_fn kernels[TENSOR_OPS_MAX_OPS];
+} to_backend_v1;
+
+typedef const to_backend_v1* (*to_backend_entry_fn)(void);
+#define TENSOR_OPS_PLUGIN_ENTRY "tensor_ops_backend_v1"
+
+#ifdef __cplusplus
+}
+#endif
+#endif

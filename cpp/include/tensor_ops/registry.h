@@ -1,0 +1,91 @@
+#pragma once
+// The backend registry: the built-in CPU backend plus every plugin found
+// beside the core library (libtensor_ops_<name>.so), and backend selection.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tensor_ops/plugin.h"
+
+namespace tensor_ops {
+
+struct BackendStatus {
+  std::string name;
+  bool compiled = false;  // a plugin (or the built-in CPU backend) exists
+  bool usable = false;    // its runtime initialised and it has a device
+  std::string reason;     // why not usable / not compiled; empty when usable
+  int priority = 0;
+  std::string library;    // the plugin file, or "built-in"
+};
+
+struct DeviceRecord {
+  std::string backend;
+  int32_t device_id = 0;
+  to_device_info info{};
+};
+
+class Backend {
+ public:
+  Backend(const to_backend_v1* table, std::string library, void* handle);
+  const std::string& name() const { return name_; }
+  const to_backend_v1& table() const { return *table_; }
+  bool usable() const { return usable_; }
+  const std::string& reason() const { return reason_; }
+  int priority() const { return priority_; }
+  const std::string& library() const { return library_; }
+  int device_count() const;
+  // Throws the matching Error with the backend's last_error() on failure.
+  void check(to_status status, const char* what) const;
+
+ private:
+  const to_backend_v1* table_;
+  std::string name_, library_, reason_;
+  void* handle_;
+  bool usable_ = false;
+  int priority_ = 0;
+};
+
+class Registry {
+ public:
+  static Registry& instance();
+
+  // Every backend the project knows, compiled or not, sorted by priority.
+  std::vector<BackendStatus> status() const;
+  std::vector<DeviceRecord> devices() const;
+  // nullptr when no backend of that name was loaded.
+  Backend* find(const std::string& name) const;
+  // Throws InvalidArgument for an unknown name (listing the valid ones) and
+  // BackendUnavailable for a known one that cannot run.
+  Backend& require(const std::string& name) const;
+
+  // The backend host data runs on: use() scope > set_backend() >
+  // TENSOR_OPS_BACKEND > TENSOR_OPS_PRIORITY order > default priority.
+  Backend& active() const;
+  // "auto" or "" returns to automatic selection.
+  void set_backend(const std::string& name);
+  std::string selected_name() const;
+  // Thread-local scope used by the Python `use(...)` context.
+  void push_scope(const std::string& name);
+  void pop_scope();
+
+  // Names accepted by set_backend / TENSOR_OPS_BACKEND.
+  std::vector<std::string> known_names() const;
+  std::vector<std::string> usable_names() const;
+
+  // Loads libtensor_ops_*.so from `dir` (tests use this for a mock plugin).
+  void load_plugins_from(const std::string& dir);
+
+ private:
+  Registry();
+  void add(std::unique_ptr<Backend> backend);
+  std::vector<Backend*> by_priority() const;
+
+  std::vector<std::unique_ptr<Backend>> backends_;
+  std::vector<BackendStatus> missing_;  // known names with no plugin
+  std::string selected_;                // set_backend(); "" = auto
+};
+
+// Directory holding libtensor_ops.so (plugins are looked up there).
+std::string core_library_dir();
+
+}  // namespace tensor_ops

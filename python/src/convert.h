@@ -1,0 +1,13 @@
+#pragma once
+// nanobind ndarray (numpy buffer, DLPack: torch, jax, ...) -> tensor_ops::Tensor, zero-copy.
+#include <nanobind/ndarray.h>
+
+#include "tensor_ops/tensor.h"
+
+namespace tensor_ops::python {
+
+// as_bfloat16: the array holds bfloat16 bits viewed as uint16 (numpy has no
+// bfloat16 of its own; the Python layer passes ml_dtypes arrays this way).
+Tensor to_tensor(const nanobind::ndarray<nanobind::ro>& a, const char* arg, bool as_bfloat16 = false);
+
+}  // namespace tensor_ops::python

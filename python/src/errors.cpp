@@ -1,0 +1,41 @@
+// C++ errors -> the Python classes of tensor_ops.errors.
+#include <nanobind/nanobind.h>
+
+#include "tensor_ops/errors.h"
+
+namespace nb = nanobind;
+
+namespace tensor_ops::python {
+
+void init_errors(nb::module_&) {
+  // Leaked on purpose: a static nb::object would be released after the
+  // interpreter is finalised (a crash at exit).
+  static PyObject* mod = nb::module_::import_("tensor_ops.errors").release().ptr();
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    auto raise = [](const char* cls, const std::exception& e) {
+      nb::object type = nb::borrow(mod).attr(cls);
+      PyErr_SetString(type.ptr(), e.what());
+    };
+    try {
+      std::rethrow_exception(p);
+    } catch (const LayoutError& e) {
+      raise("LayoutError", e);
+    } catch (const DTypeError& e) {
+      raise("DTypeError", e);
+    } catch (const InvalidArgument& e) {
+      raise("InvalidArgumentError", e);
+    } catch (const Unsupported& e) {
+      raise("UnsupportedError", e);
+    } catch (const BackendUnavailable& e) {
+      raise("BackendUnavailableError", e);
+    } catch (const OutOfMemory& e) {
+      raise("OutOfMemoryError", e);
+    } catch (const DeviceError& e) {
+      raise("DeviceError", e);
+    } catch (const Error& e) {
+      raise("TensorOpsError", e);
+    }
+  });
+}
+
+}  // namespace tensor_ops::python

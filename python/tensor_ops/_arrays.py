@@ -1,0 +1,90 @@
+"""Arrays in, the caller's kind of array out.
+
+numpy arrays, torch tensors (any device) and any other DLPack producer reach
+the core zero-copy. Outputs are allocated with the caller's framework, so a
+torch tensor in gives a torch tensor out and numpy gives numpy.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .errors import DTypeError, LayoutError
+
+_BF16_NAME = "bfloat16"
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch(x) -> bool:
+    t = _torch()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+class Arg:
+    """One array argument as the core sees it."""
+
+    __slots__ = ("kind", "array", "bf16_view", "original")
+
+    def __init__(self, value, name: str):
+        self.original = value
+        if isinstance(value, np.ndarray):
+            self.kind = "numpy"
+            if value.dtype.name == _BF16_NAME:  # ml_dtypes.bfloat16: pass the bits
+                self.array, self.bf16_view = value.view(np.uint16), True
+            else:
+                self.array, self.bf16_view = value, False
+        elif is_torch(value):
+            self.kind = "torch"
+            self.array = value.detach() if value.requires_grad else value
+            self.bf16_view = False
+        elif hasattr(value, "__dlpack__"):
+            self.kind = "dlpack"
+            self.array, self.bf16_view = value, False
+        else:
+            raise TypeError(
+                f"{name} must be an array (numpy.ndarray, torch.Tensor or a DLPack producer), "
+                f"got {type(value).__name__}"
+            )
+
+    def contiguous(self):
+        if self.kind == "torch":
+            self.array = self.array.contiguous()
+        elif self.kind == "numpy":
+            self.array = np.ascontiguousarray(self.array)
+        else:
+            self.kind = "numpy"
+            self.array = np.ascontiguousarray(np.from_dlpack(self.array))
+
+
+def empty_like(arg: Arg):
+    """A contiguous output matching arg, in arg's framework."""
+    a = arg.original if arg.kind == "numpy" else arg.array
+    if arg.kind == "torch":
+        t = _torch()
+        return t.empty(a.shape, dtype=a.dtype, device=a.device)
+    if arg.kind == "numpy":
+        return np.empty(a.shape, dtype=a.dtype)
+    host = np.from_dlpack(a)
+    return np.empty(host.shape, dtype=host.dtype)
+
+
+def call(fn, args: list[Arg], out, *extra):
+    """Runs fn(*arrays, out_array, *extra), copying strided inputs the core
+    cannot take as they are (a correct answer beats a refusal)."""
+    bf16 = any(a.bf16_view for a in args)
+    out_arr = out.view(np.uint16) if isinstance(out, np.ndarray) and out.dtype.name == _BF16_NAME else out
+    if bf16 and not (isinstance(out_arr, np.ndarray) and out_arr.dtype == np.uint16):
+        raise DTypeError("a numpy bfloat16 input needs a numpy bfloat16 out")
+    if not bf16 and isinstance(out_arr, np.ndarray) and out_arr is not out:
+        raise DTypeError("out is bfloat16 but the inputs are not")
+    try:
+        fn(*[a.array for a in args], out_arr, *extra, bf16=bf16)
+    except LayoutError:
+        for a in args:
+            a.contiguous()
+        fn(*[a.array for a in args], out_arr, *extra, bf16=bf16)
+    return out

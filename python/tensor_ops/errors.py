@@ -1,0 +1,46 @@
+"""The tensor_ops exception classes (the C++ core raises these through _C)."""
+
+
+class TensorOpsError(Exception):
+    """Base of every tensor_ops error."""
+
+
+class InvalidArgumentError(TensorOpsError, ValueError):
+    """A bad shape, rank, value or device."""
+
+
+class DTypeError(TensorOpsError, TypeError):
+    """A dtype tensor_ops does not take, or dtypes that do not match."""
+
+
+class LayoutError(InvalidArgumentError):
+    """A strided layout the kernels cannot take as is (the op layer retries
+    with a contiguous copy for inputs)."""
+
+
+class UnsupportedError(TensorOpsError, NotImplementedError):
+    """An op, dtype or feature a backend does not implement."""
+
+
+class BackendUnavailableError(TensorOpsError, RuntimeError):
+    """A backend that is not compiled in or whose runtime is missing."""
+
+
+class OutOfMemoryError(TensorOpsError, RuntimeError):
+    """A device ran out of memory."""
+
+
+class DeviceError(TensorOpsError, RuntimeError):
+    """A vendor runtime call failed."""
+
+
+__all__ = [
+    "TensorOpsError",
+    "InvalidArgumentError",
+    "DTypeError",
+    "LayoutError",
+    "UnsupportedError",
+    "BackendUnavailableError",
+    "OutOfMemoryError",
+    "DeviceError",
+]
