@@ -38,6 +38,9 @@ void init_ops(nb::module_& m) {
       },
       nb::arg("x"), nb::arg("out"), nb::arg("approximate"), nb::arg("bf16") = false);
   m.def(
+      "data_ptr", [](const Array& x) { return reinterpret_cast<uintptr_t>(x.data()); }, nb::arg("x"),
+      "The data pointer the core sees for x (tests use it to prove zero-copy).");
+  m.def(
       "backend_for", [](const Array& x) { return backend_for(to_tensor(x, "x")); }, nb::arg("x"),
       "Name of the backend an op on x would run on.");
 }

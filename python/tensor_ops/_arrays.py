@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from .errors import DTypeError, LayoutError
+from .errors import DTypeError, InvalidArgumentError, LayoutError
 
 _BF16_NAME = "bfloat16"
 
@@ -76,6 +76,8 @@ def call(fn, args: list[Arg], out, *extra):
     """Runs fn(*arrays, out_array, *extra), copying strided inputs the core
     cannot take as they are (a correct answer beats a refusal)."""
     bf16 = any(a.bf16_view for a in args)
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise InvalidArgumentError(f"out is a read-only numpy array (shape {out.shape}, dtype {out.dtype})")
     out_arr = out.view(np.uint16) if isinstance(out, np.ndarray) and out.dtype.name == _BF16_NAME else out
     if bf16 and not (isinstance(out_arr, np.ndarray) and out_arr.dtype == np.uint16):
         raise DTypeError("a numpy bfloat16 input needs a numpy bfloat16 out")

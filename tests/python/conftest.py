@@ -1,0 +1,95 @@
+"""Shared pieces of the Python tests: float64 references, dtypes, seeds."""
+import math
+import os
+
+import numpy as np
+import pytest
+
+try:
+    import ml_dtypes
+except ImportError:  # bfloat16 numpy arrays need ml_dtypes
+    ml_dtypes = None
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+import tensor_ops
+
+DTYPES = ["float32", "float16", "bfloat16"]
+
+# Elementwise tolerance: |got - ref| <= RTOL * |ref| + ATOL * max|ref|.
+# fp32: the issue's 1e-5 relative; fp16/bf16: one rounding of the output
+# (2^-11, 2^-8 relative) plus fp32 math, with headroom for denormals.
+RTOL = {"float32": 1e-5, "float16": 2 ** -10, "bfloat16": 2 ** -7}
+ATOL = {"float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-3}
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        if ml_dtypes is None:
+            pytest.skip("numpy bfloat16 needs ml_dtypes")
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def to64(a):
+    if torch is not None and isinstance(a, torch.Tensor):
+        return a.detach().to(torch.float64).cpu().numpy()
+    return np.asarray(a).astype(np.float64)
+
+
+def ref_rms_norm(x, w, eps=1e-6):
+    x, w = to64(x), to64(w)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def ref_silu(x):
+    x = to64(x)
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+_erfc = np.vectorize(math.erfc, otypes=[np.float64])
+
+
+def ref_gelu(x, approximate="none"):
+    x = to64(x)
+    if approximate == "tanh":
+        u = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)
+        with np.errstate(over="ignore"):
+            return x / (1.0 + np.exp(-2.0 * u))
+    return 0.5 * x * _erfc(-x / math.sqrt(2.0))
+
+
+def assert_close(got, ref, dtype, what=""):
+    got64 = to64(got)
+    assert got64.shape == ref.shape, f"{what}: shape {got64.shape} != {ref.shape}"
+    if ref.size == 0:
+        return
+    scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=0.0))
+    tol = RTOL[dtype] * np.abs(ref) + ATOL[dtype] * max(scale, 1e-30)
+    err = np.abs(got64 - ref)
+    bad = ~(err <= tol) & ~(np.isnan(got64) & np.isnan(ref))
+    if bad.any():
+        i = np.flatnonzero(bad.ravel())[0]
+        raise AssertionError(
+            f"{what}: {bad.sum()} of {ref.size} elements off; first at flat index {i}: "
+            f"got {got64.ravel()[i]!r}, ref {ref.ravel()[i]!r}, max rel err "
+            f"{float(np.max(err / (np.abs(ref) + 1e-30))):.3g}"
+        )
+
+
+@pytest.fixture
+def rng(request):
+    seed = int(os.environ.get("TENSOR_OPS_TEST_SEED", "0")) + (hash(request.node.nodeid) & 0xFFFF)
+    print(f"seed={seed}")  # shown when the test fails
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(params=tensor_ops._C.cpu_supported_isas())
+def cpu_isa(request):
+    tensor_ops._C.cpu_set_isa(request.param)
+    yield request.param
+    tensor_ops._C.cpu_set_isa("auto")

@@ -1,0 +1,126 @@
+"""Conformance: every op x every CPU ISA level x dtype x size vs float64."""
+import numpy as np
+import pytest
+
+import tensor_ops
+from conftest import DTYPES, assert_close, np_dtype, ref_gelu, ref_rms_norm, ref_silu, torch
+
+HIDDEN = [1, 7, 64, 4095, 4096, 8193]
+BATCH = {1: (), 2: (3,), 3: (2, 3), 4: (2, 1, 3)}
+
+OPS = {
+    "rms_norm": (lambda x, w: tensor_ops.rms_norm(x, w, eps=1e-6), lambda x, w: ref_rms_norm(x, w, 1e-6)),
+    "silu": (lambda x, w: tensor_ops.silu(x), lambda x, w: ref_silu(x)),
+    "gelu": (lambda x, w: tensor_ops.gelu(x), lambda x, w: ref_gelu(x)),
+    "gelu_tanh": (lambda x, w: tensor_ops.gelu(x, approximate="tanh"), lambda x, w: ref_gelu(x, "tanh")),
+}
+
+
+def make(rng, shape, dtype, scale=3.0):
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    return x.astype(np_dtype(dtype))
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3, 4])
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(OPS))
+def test_numpy_conformance(op, dtype, hidden, rank, cpu_isa, rng):
+    shape = BATCH[rank] + (hidden,)
+    x = make(rng, shape, dtype)
+    w = make(rng, (hidden,), dtype, 1.0)
+    ours, ref = OPS[op]
+    y = ours(x, w)
+    assert isinstance(y, np.ndarray) and y.dtype == x.dtype and y.shape == x.shape
+    assert_close(y, ref(x, w), dtype, f"{op} {dtype} {shape} {cpu_isa}")
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("hidden", [7, 4096, 8193])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(OPS))
+def test_torch_conformance(op, dtype, hidden, cpu_isa, rng):
+    tdt = getattr(torch, dtype)
+    x = torch.from_numpy(rng.standard_normal((5, hidden)).astype(np.float32) * 3).to(tdt)
+    w = torch.from_numpy(rng.standard_normal(hidden).astype(np.float32)).to(tdt)
+    ours, ref = OPS[op]
+    y = ours(x, w)
+    assert isinstance(y, torch.Tensor) and y.dtype == tdt and y.shape == x.shape
+    assert_close(y, ref(x, w), dtype, f"{op} torch {dtype} {cpu_isa}")
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_torch_functional(dtype, rng):
+    tdt = getattr(torch, dtype)
+    x = torch.from_numpy(rng.standard_normal((4, 333)).astype(np.float32)).to(tdt)
+    w = torch.from_numpy(rng.standard_normal(333).astype(np.float32)).to(tdt)
+    F = torch.nn.functional
+    for got, want in [
+        (tensor_ops.silu(x), F.silu(x.float())),
+        (tensor_ops.gelu(x), F.gelu(x.float())),
+        (tensor_ops.gelu(x, "tanh"), F.gelu(x.float(), approximate="tanh")),
+        (tensor_ops.rms_norm(x, w, 1e-6), F.rms_norm(x.float(), (333,), w.float(), 1e-6)),
+    ]:
+        assert_close(got, want.double().numpy(), dtype, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(OPS))
+def test_edges(op, dtype, rng):
+    ours, ref = OPS[op]
+    # one element, empty rows, empty hidden
+    for shape in [(1,), (1, 1), (0, 16), (4, 0)]:
+        x = make(rng, shape, dtype)
+        w = make(rng, (shape[-1],), dtype)
+        y = ours(x, w)
+        assert y.shape == x.shape
+        assert_close(y, ref(x, w), dtype, f"{op} {shape}")
+
+
+@pytest.mark.parametrize("op", ["silu", "gelu", "gelu_tanh"])
+def test_zero_dim_elementwise(op):
+    x = np.array(1.5, dtype=np.float32)
+    y = OPS[op][0](x, None)
+    assert y.shape == () and abs(float(y) - float(OPS[op][1](x, None))) < 1e-6
+
+
+@pytest.mark.parametrize("op", ["silu", "gelu", "gelu_tanh"])
+def test_special_values(op):
+    x = np.array([0.0, -0.0, np.nan, 1e-30, -1e-30, 20.0, -20.0, 1e4], dtype=np.float32)
+    y = OPS[op][0](x, None)
+    ref = OPS[op][1](x, None)
+    assert np.isnan(y[2])
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(y[fin].astype(np.float64), ref[fin], rtol=1e-5, atol=1e-30)
+
+
+def test_rms_norm_nan_row_isolated(rng):
+    x = make(rng, (3, 64), "float32")
+    x[1, 5] = np.nan
+    y = tensor_ops.rms_norm(x, np.ones(64, np.float32))
+    assert np.isnan(y[1]).all()
+    assert np.isfinite(y[0]).all() and np.isfinite(y[2]).all()
+
+
+def test_rms_norm_huge_eps(rng):
+    x = make(rng, (2, 64), "float32")
+    w = np.ones(64, np.float32)
+    y = tensor_ops.rms_norm(x, w, eps=1e30)
+    assert_close(y, ref_rms_norm(x, w, 1e30), "float32", "huge eps")
+
+
+def test_rms_norm_zero_row():
+    x = np.zeros((2, 8), np.float32)
+    y = tensor_ops.rms_norm(x, np.ones(8, np.float32), eps=1e-6)
+    assert (y == 0).all()
+
+
+def test_large_multithreaded_matches_rowwise(rng):
+    x = make(rng, (256, 4096), "float32")
+    w = make(rng, (4096,), "float32")
+    y = tensor_ops.rms_norm(x, w)
+    rows = np.stack([tensor_ops.rms_norm(x[i], w) for i in range(0, 256, 37)])
+    np.testing.assert_array_equal(y[::37], rows)
+    s = tensor_ops.silu(x)
+    np.testing.assert_array_equal(s[5], tensor_ops.silu(x[5]))
