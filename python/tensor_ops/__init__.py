@@ -41,6 +41,8 @@ def _unary(fn, x, out, *extra):
 def rms_norm(x, weight, eps: float = 1e-6, *, out=None):
     """x / sqrt(mean(x**2, last dim) + eps) * weight, accumulated in fp32."""
     a, w = Arg(x, "x"), Arg(weight, "weight")
+    if isinstance(eps, (str, bytes)) or not hasattr(eps, "__float__"):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
     if out is None:
         out = empty_like(a)
     return call(_C.rms_norm, [a, w], out, float(eps))

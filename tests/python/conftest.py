@@ -42,6 +42,8 @@ def to64(a):
 
 def ref_rms_norm(x, w, eps=1e-6):
     x, w = to64(x), to64(w)
+    if x.size == 0:
+        return x.copy()
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 

@@ -70,7 +70,7 @@ def test_matches_torch_functional(dtype, rng):
 def test_edges(op, dtype, rng):
     ours, ref = OPS[op]
     # one element, empty rows, empty hidden
-    for shape in [(1,), (1, 1), (0, 16), (4, 0)]:
+    for shape in [(1,), (1, 1), (0, 16), (4, 0)]:  # noqa: one element, empty rows, empty hidden
         x = make(rng, shape, dtype)
         w = make(rng, (shape[-1],), dtype)
         y = ours(x, w)
