@@ -3,8 +3,10 @@
 
 #include <cmath>
 
+#include "tensor_ops/device_memory.h"
 #include "tensor_ops/errors.h"
 #include "tensor_ops/registry.h"
+#include "tensor_ops/transfer.h"
 
 namespace tensor_ops {
 
@@ -64,6 +66,7 @@ Rows collapse(const Tensor& t, const char* op, const char* arg) {
 to_tensor rows_view(const Tensor& t, const Rows& r) {
   to_tensor v{};
   v.data = t.data();
+  v.byte_offset = t.byte_offset();
   v.dtype = int32_t(t.dtype());
   v.ndim = 2;
   v.shape[0] = r.rows;
@@ -88,10 +91,18 @@ void check_same_device(const char* op, const char* arg, const Tensor& t, const T
 }
 
 bool same_view(const Tensor& a, const Tensor& b) {
-  return a.data() == b.data() && a.shape() == b.shape() && a.strides() == b.strides();
+  return a.data() == b.data() && a.byte_offset() == b.byte_offset() && a.shape() == b.shape() && a.strides() == b.strides();
+}
+
+bool handle_memory(const Tensor& t) {
+  if (t.device().is_host()) return false;
+  Backend* b = Registry::instance().find(t.device().backend);
+  return b && (b->table().flags & TO_BACKEND_HANDLE_MEMORY);
 }
 
 bool overlaps(const Tensor& a, const Tensor& b) {
+  // Distinct handles (cl_mem) never alias; within one handle offsets compare.
+  if (handle_memory(a) && a.data() != b.data()) return false;
   auto sa = a.byte_span(), sb = b.byte_span();
   return sa.first < sb.second && sb.first < sa.second;
 }
@@ -113,13 +124,7 @@ void check_out(const char* op, const Tensor& out, const Tensor& x, std::initiali
 
 Backend& backend_for_tensor(const Tensor& x) {
   Registry& reg = Registry::instance();
-  if (x.device().is_host()) {
-    Backend& b = reg.active();
-    if (b.name() != "cpu")
-      throw Unsupported("backend '" + b.name() + "' is selected, but staging host arrays to it is not available " +
-                        "yet; pass device-resident data or select 'cpu'");
-    return b;
-  }
+  if (x.device().is_host()) return reg.active();
   Backend& b = reg.require(x.device().backend);
   if (x.device().id < 0 || x.device().id >= b.device_count())
     throw InvalidArgument("device " + x.device().str() + " does not exist (" + b.name() + " has " +
@@ -127,13 +132,49 @@ Backend& backend_for_tensor(const Tensor& x) {
   return b;
 }
 
-void launch(OpId op, const Tensor& x, to_op_call& call) {
+// Runs op on the backend that owns the data. Host data with a device backend
+// selected is staged: inputs copied to device 0 through its pool, outputs
+// computed there and copied back. Staging takes contiguous tensors only (the
+// Python layer retries a LayoutError with contiguous copies).
+void launch(OpId op, std::initializer_list<const Tensor*> ins, std::initializer_list<const Tensor*> outs,
+            to_op_call& call) {
+  const Tensor& x = **ins.begin();
   Backend& b = backend_for_tensor(x);
   to_kernel_fn fn = b.table().kernels[int(op)];
   if (!fn)
     throw Unsupported(std::string("op ") + op_name(op) + " is not implemented by backend '" + b.name() + "'");
   call.op = int32_t(op);
+  call.n_inputs = int32_t(ins.size());
+  call.n_outputs = int32_t(outs.size());
+  const bool stage = x.device().is_host() && b.name() != "cpu";
+  if (!stage) {
+    int i = 0;
+    for (const Tensor* t : ins) call.inputs[i++] = rows_view(*t, collapse(*t, op_name(op), "input"));
+    i = 0;
+    for (const Tensor* t : outs) call.outputs[i++] = rows_view(*t, collapse(*t, op_name(op), "out"));
+    b.check(fn(&call), op_name(op));
+    return;
+  }
+  const Device dev{b.name(), 0};
+  std::vector<Tensor> dev_in, dev_out;
+  for (const Tensor* t : ins) {
+    if (!t->is_contiguous())
+      throw LayoutError(std::string(op_name(op)) + ": staging to " + dev.str() + " needs contiguous inputs, got " +
+                        t->describe());
+    dev_in.push_back(to_device(*t, dev));
+  }
+  for (const Tensor* t : outs) {
+    if (!t->is_contiguous())
+      throw LayoutError(std::string(op_name(op)) + ": staging to " + dev.str() + " needs a contiguous out, got " +
+                        t->describe());
+    dev_out.push_back(DeviceMemory::of(dev).empty(t->shape(), t->dtype()));
+  }
+  for (size_t i = 0; i < dev_in.size(); ++i) call.inputs[i] = rows_view(dev_in[i], collapse(dev_in[i], "", ""));
+  for (size_t i = 0; i < dev_out.size(); ++i)
+    call.outputs[i] = rows_view(dev_out[i], collapse(dev_out[i], "", ""));
   b.check(fn(&call), op_name(op));
+  size_t i = 0;
+  for (const Tensor* t : outs) copy_bytes(*t, dev_out[i++]);
 }
 
 }  // namespace
@@ -153,31 +194,24 @@ void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, double e
   if (!std::isfinite(eps) || eps < 0)
     throw InvalidArgument("rms_norm: eps must be finite and >= 0, got " + std::to_string(eps));
   check_out(op, out, x, {&weight});
-  Rows rx = collapse(x, op, "x"), rw = collapse(weight, op, "weight"), ro = collapse(out, op, "out");
-  (void)rw;
-  if (rx.rows == 0 || rx.cols == 0) return;
+  if (x.numel() == 0) return;
+  collapse(x, op, "x");
+  collapse(weight, op, "weight");
+  collapse(out, op, "out");
   to_op_call call{};
-  call.n_inputs = 2;
-  call.n_outputs = 1;
-  call.inputs[0] = rows_view(x, rx);
-  call.inputs[1] = rows_view(weight, {1, cols, cols});
-  call.outputs[0] = rows_view(out, ro);
   call.scalars[0] = eps;
-  launch(OpId::rms_norm, x, call);
+  launch(OpId::rms_norm, {&x, &weight}, {&out}, call);
 }
 
 static void unary(OpId op, const Tensor& x, const Tensor& out, int64_t mode) {
   const char* name = op_name(op);
   check_out(name, out, x, {});
-  Rows rx = collapse(x, name, "x"), ro = collapse(out, name, "out");
-  if (rx.rows == 0 || rx.cols == 0) return;
+  if (x.numel() == 0) return;
+  collapse(x, name, "x");
+  collapse(out, name, "out");
   to_op_call call{};
-  call.n_inputs = 1;
-  call.n_outputs = 1;
-  call.inputs[0] = rows_view(x, rx);
-  call.outputs[0] = rows_view(out, ro);
   call.ints[0] = mode;
-  launch(op, x, call);
+  launch(op, {&x}, {&out}, call);
 }
 
 void silu(const Tensor& x, const Tensor& out) { unary(OpId::silu, x, out, 0); }

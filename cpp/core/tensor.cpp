@@ -14,9 +14,9 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 }
 
 Tensor::Tensor(void* data, DType dtype, std::vector<int64_t> shape, std::vector<int64_t> strides,
-               Device device, std::shared_ptr<void> owner)
+               Device device, std::shared_ptr<void> owner, uint64_t byte_offset)
     : data_(data), dtype_(dtype), shape_(std::move(shape)), strides_(std::move(strides)),
-      device_(std::move(device)), owner_(std::move(owner)) {
+      device_(std::move(device)), owner_(std::move(owner)), byte_offset_(byte_offset) {
   if (shape_.size() > TENSOR_OPS_MAX_DIMS)
     throw InvalidArgument("tensor has " + std::to_string(shape_.size()) + " dimensions; at most " +
                           std::to_string(TENSOR_OPS_MAX_DIMS) + " are supported");
@@ -71,7 +71,7 @@ std::pair<uintptr_t, uintptr_t> Tensor::byte_span() const {
     (ext < 0 ? lo : hi) += ext;
   }
   const int64_t item = int64_t(dtype_size(dtype_));
-  auto base = reinterpret_cast<uintptr_t>(data_);
+  auto base = reinterpret_cast<uintptr_t>(data_) + uintptr_t(byte_offset_);
   return {base + uintptr_t(lo * item), base + uintptr_t((hi + 1) * item)};
 }
 

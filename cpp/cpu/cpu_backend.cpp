@@ -210,8 +210,14 @@ to_status cpu_allocate(int32_t, size_t bytes, void** ptr) {
 
 void cpu_deallocate(int32_t, void* ptr, size_t) { std::free(ptr); }
 
-to_status cpu_copy(int32_t, void* dst, const void* src, size_t bytes, int32_t) {
-  if (bytes) std::memcpy(dst, src, bytes);
+to_status cpu_copy(int32_t, void* dst, uint64_t dst_offset, const void* src, uint64_t src_offset, size_t bytes,
+                   int32_t) {
+  if (bytes) std::memcpy(static_cast<char*>(dst) + dst_offset, static_cast<const char*>(src) + src_offset, bytes);
+  return TO_OK;
+}
+
+to_status cpu_memset(int32_t, void* dst, uint64_t offset, int32_t value, size_t bytes) {
+  if (bytes) std::memset(static_cast<char*>(dst) + offset, value, bytes);
   return TO_OK;
 }
 
@@ -230,6 +236,7 @@ to_backend_v1 make_table() {
   t.allocate = cpu_allocate;
   t.deallocate = cpu_deallocate;
   t.copy = cpu_copy;
+  t.memset = cpu_memset;
   t.synchronize = cpu_synchronize;
   t.last_error = cpu_last_error;
   t.kernels[int(OpId::rms_norm)] = run_rms_norm;

@@ -62,4 +62,13 @@ Tensor to_tensor(const nb::ndarray<nb::ro>& a, const char* arg, bool as_bfloat16
   return Tensor(const_cast<void*>(a.data()), dt, std::move(shape), std::move(strides), device_of(a, arg));
 }
 
+Tensor to_tensor(nb::handle h, const char* arg, bool as_bfloat16) {
+  if (nb::isinstance<Tensor>(h)) return nb::cast<const Tensor&>(h);
+  nb::ndarray<nb::ro> a;
+  if (!nb::try_cast(h, a))
+    throw DTypeError(std::string(arg) + " of type " + nb::inst_name(h).c_str() +
+                     " is not an array tensor_ops can read (numpy, torch, DLPack or tensor_ops.Tensor)");
+  return to_tensor(a, arg, as_bfloat16);
+}
+
 }  // namespace tensor_ops::python

@@ -9,5 +9,7 @@ namespace tensor_ops::python {
 // as_bfloat16: the array holds bfloat16 bits viewed as uint16 (numpy has no
 // bfloat16 of its own; the Python layer passes ml_dtypes arrays this way).
 Tensor to_tensor(const nanobind::ndarray<nanobind::ro>& a, const char* arg, bool as_bfloat16 = false);
+// A tensor_ops.Tensor as is, or any array nanobind can import (buffer, DLPack).
+Tensor to_tensor(nanobind::handle h, const char* arg, bool as_bfloat16 = false);
 
 }  // namespace tensor_ops::python

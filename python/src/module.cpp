@@ -5,6 +5,7 @@ namespace nb = nanobind;
 
 namespace tensor_ops::python {
 void init_errors(nb::module_& m);
+void init_memory(nb::module_& m);
 void init_ops(nb::module_& m);
 void init_registry(nb::module_& m);
 }  // namespace tensor_ops::python
@@ -12,6 +13,7 @@ void init_registry(nb::module_& m);
 NB_MODULE(_C, m) {
   m.doc() = "tensor_ops native core";
   tensor_ops::python::init_errors(m);
+  tensor_ops::python::init_memory(m);
   tensor_ops::python::init_ops(m);
   tensor_ops::python::init_registry(m);
 }

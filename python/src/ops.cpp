@@ -7,7 +7,7 @@
 #include "tensor_ops/ops.h"
 
 namespace nb = nanobind;
-using Array = nb::ndarray<nb::ro>;
+using Array = nb::handle;
 
 namespace tensor_ops::python {
 
@@ -38,7 +38,12 @@ void init_ops(nb::module_& m) {
       },
       nb::arg("x"), nb::arg("out"), nb::arg("approximate"), nb::arg("bf16") = false);
   m.def(
-      "data_ptr", [](const Array& x) { return reinterpret_cast<uintptr_t>(x.data()); }, nb::arg("x"),
+      "data_ptr",
+      [](const Array& x) {
+        Tensor t = to_tensor(x, "x", true);
+        return reinterpret_cast<uintptr_t>(t.data()) + t.byte_offset();
+      },
+      nb::arg("x"),
       "The data pointer the core sees for x (tests use it to prove zero-copy).");
   m.def(
       "backend_for", [](const Array& x) { return backend_for(to_tensor(x, "x")); }, nb::arg("x"),

@@ -18,6 +18,17 @@ from .backends import (
     set_backend,
     use,
 )
+from .memory import (
+    Tensor,
+    allocate_with_oom_protection,
+    empty,
+    empty_cache,
+    from_numpy,
+    memory_stats,
+    reset_peak_memory_stats,
+    set_memory_fraction,
+    zeros,
+)
 from .errors import (
     BackendUnavailableError,
     DeviceError,
@@ -61,6 +72,15 @@ def gelu(x, approximate: str = "none", *, out=None):
 
 
 __all__ = [
+    "Tensor",
+    "empty",
+    "zeros",
+    "from_numpy",
+    "allocate_with_oom_protection",
+    "memory_stats",
+    "empty_cache",
+    "set_memory_fraction",
+    "reset_peak_memory_stats",
     "rms_norm",
     "silu",
     "gelu",

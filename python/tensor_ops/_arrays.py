@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from . import _C
 from .errors import DTypeError, InvalidArgumentError, LayoutError
 
 _BF16_NAME = "bfloat16"
@@ -37,6 +38,9 @@ class Arg:
                 self.array, self.bf16_view = value.view(np.uint16), True
             else:
                 self.array, self.bf16_view = value, False
+        elif isinstance(value, _C.Tensor):
+            self.kind = "tensor_ops"
+            self.array, self.bf16_view = value, False
         elif is_torch(value):
             self.kind = "torch"
             self.array = value.detach() if value.requires_grad else value
@@ -51,6 +55,8 @@ class Arg:
             )
 
     def contiguous(self):
+        if self.kind == "tensor_ops":
+            return  # always contiguous
         if self.kind == "torch":
             self.array = self.array.contiguous()
         elif self.kind == "numpy":
@@ -63,6 +69,8 @@ class Arg:
 def empty_like(arg: Arg):
     """A contiguous output matching arg, in arg's framework."""
     a = arg.original if arg.kind == "numpy" else arg.array
+    if arg.kind == "tensor_ops":
+        return _C.empty(list(a.shape), a.dtype, a.device)
     if arg.kind == "torch":
         t = _torch()
         return t.empty(a.shape, dtype=a.dtype, device=a.device)

@@ -41,9 +41,13 @@ typedef enum to_device_type {
   TO_DEVICE_OTHER = 3
 } to_device_type;
 
-/* A strided view; strides are in elements. */
+/* A strided view; strides are in elements. `data` is a pointer on host and
+ * pointer-addressed devices (CUDA, HIP, SYCL USM); on OpenCL it is a cl_mem
+ * handle. Element 0 is at byte `byte_offset` from `data` (always 0 where the
+ * core can move the pointer itself). */
 typedef struct to_tensor {
   void* data;
+  uint64_t byte_offset;
   int32_t dtype;
   int32_t ndim;
   int64_t shape[TENSOR_OPS_MAX_DIMS];
@@ -78,9 +82,13 @@ typedef struct to_device_info {
 
 typedef to_status (*to_kernel_fn)(const to_op_call* call);
 
+/* to_backend_v1.flags */
+#define TO_BACKEND_HANDLE_MEMORY 1u /* device memory is a handle (cl_mem) + byte_offset, not a pointer */
+
 typedef struct to_backend_v1 {
   uint32_t abi_version; /* TENSOR_OPS_PLUGIN_ABI_VERSION */
   const char* name;
+  uint32_t flags; /* TO_BACKEND_* */
   /* Probes the vendor runtime. TO_OK: usable. Otherwise writes why not. */
   to_status (*init)(char* reason, size_t reason_len);
   /* Default rank when several are usable; higher runs first. */
@@ -90,8 +98,12 @@ typedef struct to_backend_v1 {
   to_status (*mem_info)(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes);
   to_status (*allocate)(int32_t device, size_t bytes, void** ptr);
   void (*deallocate)(int32_t device, void* ptr, size_t bytes);
-  /* kind: 0 host->device, 1 device->host, 2 device->device */
-  to_status (*copy)(int32_t device, void* dst, const void* src, size_t bytes, int32_t kind);
+  /* kind: 0 host->device, 1 device->host, 2 device->device. Offsets are in
+   * bytes from dst / src (host pointers are passed with offset 0). Blocking,
+   * and ordered after kernels already launched on the default stream. */
+  to_status (*copy)(int32_t device, void* dst, uint64_t dst_offset, const void* src, uint64_t src_offset,
+                    size_t bytes, int32_t kind);
+  to_status (*memset)(int32_t device, void* dst, uint64_t offset, int32_t value, size_t bytes);
   to_status (*synchronize)(int32_t device);
   const char* (*last_error)(void);
   /* Indexed by op id (ops.def); NULL means the op is unsupported here. */

@@ -16,7 +16,7 @@ struct Device {
   std::string backend = "host";
   int32_t id = 0;
   bool is_host() const { return backend == "host"; }
-  std::string str() const { return is_host() ? "host" : backend + ":" + std::to_string(id); }
+  std::string str() const { return is_host() ? "cpu" : backend + ":" + std::to_string(id); }
   bool operator==(const Device& o) const { return backend == o.backend && id == o.id; }
   bool operator!=(const Device& o) const { return !(*this == o); }
 };
@@ -26,9 +26,11 @@ class Tensor {
   Tensor() = default;
   // strides in elements; empty strides mean contiguous (row-major).
   Tensor(void* data, DType dtype, std::vector<int64_t> shape, std::vector<int64_t> strides = {},
-         Device device = {}, std::shared_ptr<void> owner = nullptr);
+         Device device = {}, std::shared_ptr<void> owner = nullptr, uint64_t byte_offset = 0);
 
   void* data() const { return data_; }
+  // Offset of element 0 from data(), for handle-addressed memory (OpenCL).
+  uint64_t byte_offset() const { return byte_offset_; }
   DType dtype() const { return dtype_; }
   const std::vector<int64_t>& shape() const { return shape_; }
   const std::vector<int64_t>& strides() const { return strides_; }
@@ -49,6 +51,7 @@ class Tensor {
   std::vector<int64_t> shape_, strides_;
   Device device_;
   std::shared_ptr<void> owner_;
+  uint64_t byte_offset_ = 0;
 };
 
 std::string shape_str(const std::vector<int64_t>& shape);

@@ -1,0 +1,100 @@
+"""Device memory: pool statistics, cache control, OOM-protected allocation,
+and tensor_ops.Tensor (data resident on any device, owned by a pool block)."""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import numpy as np
+
+from . import _C
+
+Tensor = _C.Tensor
+
+
+def _device(device) -> str:
+    return "" if device is None else str(device)
+
+
+def dtype_name(dtype) -> str:
+    """float32 / float16 / bfloat16 from a string, numpy or torch dtype."""
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        name = str(dtype).replace("torch.", "")
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    return {"half": "float16", "float": "float32", "bf16": "bfloat16", "f32": "float32", "f16": "float16"}.get(
+        name, name
+    )
+
+
+def memory_stats(device=None) -> Dict[str, int]:
+    """The pool's statistics for a device (default: the active backend's),
+    with torch's keys: allocated_bytes.all.current/peak, reserved_bytes.all.*,
+    num_ooms, num_alloc_retries, cache_hits, ..."""
+    return dict(_C.memory_stats(_device(device)))
+
+
+def empty_cache(device=None) -> None:
+    """Returns cached, unused blocks of the device's pool to the device."""
+    _C.empty_cache(_device(device))
+
+
+def set_memory_fraction(fraction: float, device=None) -> None:
+    """Caps what the device's pool may reserve at fraction * total memory."""
+    _C.set_memory_fraction(float(fraction), _device(device))
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    _C.reset_peak_memory_stats(_device(device))
+
+
+def empty(shape: Sequence[int], dtype="float32", device=None) -> Tensor:
+    """An uninitialised Tensor from the device's pool."""
+    return _C.empty([int(s) for s in _shape(shape)], dtype_name(dtype), _device(device))
+
+
+def zeros(shape: Sequence[int], dtype="float32", device=None) -> Tensor:
+    t = empty(shape, dtype, device)
+    _C.zero_(t)
+    return t
+
+
+def allocate_with_oom_protection(shape: Sequence[int], dtype="float32", safety_margin: float = 1.2,
+                                 device=None) -> Tensor:
+    """empty() that first checks shape x itemsize x safety_margin against the
+    device's free memory plus the pool cache; on failure frees the cache and
+    retries once, then raises OutOfMemoryError with the numbers."""
+    return _C.empty([int(s) for s in _shape(shape)], dtype_name(dtype), _device(device), float(safety_margin))
+
+
+def from_numpy(array, device=None) -> Tensor:
+    """A Tensor on `device` holding a copy of a host array (numpy, or any
+    host DLPack producer)."""
+    a = np.ascontiguousarray(array)
+    if a.dtype.name == "bfloat16":
+        return _C.from_host(a.view(np.uint16), _device(device), True)
+    return _C.from_host(a, _device(device))
+
+
+def _shape(shape):
+    return (shape,) if isinstance(shape, int) else tuple(shape)
+
+
+def _tensor_numpy(self) -> np.ndarray:
+    """A numpy array: a zero-copy view on the host, a copy from a device."""
+    bits = self._host_bits()
+    if self.dtype == "float16":
+        return bits.view(np.float16)
+    if self.dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as e:
+            raise TypeError("a bfloat16 Tensor to numpy needs the ml_dtypes package") from e
+        return bits.view(ml_dtypes.bfloat16)
+    return bits
+
+
+Tensor.numpy = _tensor_numpy
