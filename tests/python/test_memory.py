@@ -1,0 +1,135 @@
+"""The memory API: Tensor, pool statistics, memory fraction, OOM protection."""
+import numpy as np
+import pytest
+
+import tensor_ops
+from conftest import assert_close, ml_dtypes, ref_rms_norm, ref_silu, torch
+
+
+@pytest.fixture(autouse=True)
+def clean_pool():
+    tensor_ops.set_memory_fraction(1.0, "cpu")
+    tensor_ops._C._inject_alloc_failures(0, 0, "cpu")
+    yield
+    tensor_ops.set_memory_fraction(1.0, "cpu")
+    tensor_ops._C._inject_alloc_failures(0, 0, "cpu")
+
+
+def test_empty_zeros_from_numpy(rng):
+    t = tensor_ops.empty((3, 5), "float32")
+    assert t.shape == (3, 5) and t.dtype == "float32" and t.device == "cpu" and t.nbytes == 60
+    z = tensor_ops.zeros((2, 7), np.float16)
+    assert z.dtype == "float16" and (z.numpy() == 0).all()
+    a = rng.standard_normal((4, 9)).astype(np.float32)
+    t = tensor_ops.from_numpy(a)
+    np.testing.assert_array_equal(t.numpy(), a)
+    assert t.numpy().ctypes.data == t.data_ptr  # host view is zero-copy
+
+
+@pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
+def test_bfloat16_tensor(rng):
+    a = rng.standard_normal((2, 8)).astype(ml_dtypes.bfloat16)
+    t = tensor_ops.from_numpy(a)
+    assert t.dtype == "bfloat16"
+    np.testing.assert_array_equal(t.numpy().view(np.uint16), a.view(np.uint16))
+
+
+def test_ops_chain_on_tensor(rng):
+    a = rng.standard_normal((4, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    t, tw = tensor_ops.from_numpy(a), tensor_ops.from_numpy(w)
+    y = tensor_ops.silu(tensor_ops.rms_norm(t, tw))
+    assert isinstance(y, tensor_ops.Tensor)
+    assert_close(y.numpy(), ref_silu(ref_rms_norm(a, w)), "float32")
+
+
+def test_dlpack_export(rng):
+    a = rng.standard_normal((3, 4)).astype(np.float32)
+    t = tensor_ops.from_numpy(a)
+    v = np.from_dlpack(t)
+    np.testing.assert_array_equal(v, a)
+    assert t.__dlpack_device__() == (1, 0)
+    if torch is not None:
+        tt = torch.from_dlpack(t)
+        assert tt.data_ptr() == t.data_ptr
+        del t  # the torch view keeps the block alive
+        np.testing.assert_array_equal(tt.numpy(), a)
+
+
+def test_to_same_device_and_bad_device():
+    t = tensor_ops.empty((2,), "float32")
+    assert t.to("cpu") is not None
+    with pytest.raises(ValueError, match="unknown backend"):
+        t.to("nonexistent:0")
+    with pytest.raises(ValueError, match="does not exist"):
+        tensor_ops.empty((2,), "float32", device="cpu:3")
+    with pytest.raises(TypeError):
+        tensor_ops.empty((2,), "float64")
+    with pytest.raises(ValueError):
+        tensor_ops.empty((-1, 2), "float32")
+
+
+def test_stats_track_allocations():
+    tensor_ops.empty_cache()
+    before = tensor_ops.memory_stats("cpu")
+    t = tensor_ops.empty((1024, 1024), "float32")  # 4 MiB: a large block
+    during = tensor_ops.memory_stats("cpu")
+    assert during["allocated_bytes.all.current"] >= before["allocated_bytes.all.current"] + (4 << 20)
+    assert during["reserved_bytes.all.current"] >= during["allocated_bytes.all.current"]
+    del t
+    after = tensor_ops.memory_stats("cpu")
+    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    t2 = tensor_ops.empty((1024, 1024), "float32")  # reused from the cache
+    assert tensor_ops.memory_stats("cpu")["cache_hits"] > after["cache_hits"]
+    del t2
+    tensor_ops.empty_cache()
+    assert tensor_ops.memory_stats("cpu")["reserved_bytes.all.current"] <= before["reserved_bytes.all.current"]
+
+
+def test_memory_fraction_oom_then_recovers():
+    total = tensor_ops.memory_stats("cpu")["device_total_bytes"]
+    tensor_ops.set_memory_fraction(0.001, "cpu")
+    want = int(total * 0.002) // 4
+    before = tensor_ops.memory_stats("cpu")["num_ooms"]
+    with pytest.raises(tensor_ops.OutOfMemoryError) as e:
+        tensor_ops.empty((want,), "float32")
+    msg = str(e.value)
+    for word in ["tried to allocate", "free", "total", "reserved", "allocated", "limit", "empty_cache",
+                 "set_memory_fraction"]:
+        assert word in msg, msg
+    assert tensor_ops.memory_stats("cpu")["num_ooms"] == before + 1
+    small = tensor_ops.empty((1000,), "float32")  # the next normal allocation works
+    assert small.shape == (1000,)
+    with pytest.raises(ValueError, match="fraction"):
+        tensor_ops.set_memory_fraction(0.0)
+    with pytest.raises(ValueError, match="fraction"):
+        tensor_ops.set_memory_fraction(1.5)
+
+
+def test_oom_protection_safety_margin():
+    free = tensor_ops.memory_stats("cpu")["device_free_bytes"]
+    with pytest.raises(tensor_ops.OutOfMemoryError, match="safety margin"):
+        tensor_ops.allocate_with_oom_protection((free // 4,), "float32", safety_margin=1.5)
+    with pytest.raises(tensor_ops.OutOfMemoryError):
+        tensor_ops.allocate_with_oom_protection((1 << 45,), "float32")
+    t = tensor_ops.allocate_with_oom_protection((256, 256), "float16", safety_margin=1.2)
+    assert t.shape == (256, 256) and t.dtype == "float16"
+    with pytest.raises(ValueError, match="safety_margin"):
+        tensor_ops.allocate_with_oom_protection((4,), "float32", safety_margin=0.5)
+
+
+def test_injected_failure_retries_then_raises():
+    tensor_ops.empty_cache()
+    tensor_ops._C._inject_alloc_failures(0, 1 << 22, "cpu")  # upstream fails above 4 MiB
+    before = tensor_ops.memory_stats("cpu")
+    with pytest.raises(tensor_ops.OutOfMemoryError, match="after freeing the cache"):
+        tensor_ops.empty((2 << 20,), "float32")  # 8 MiB
+    after = tensor_ops.memory_stats("cpu")
+    assert after["num_alloc_retries"] == before["num_alloc_retries"] + 1
+    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    assert tensor_ops.empty((1 << 10,), "float32").shape == (1024,)
+
+
+def test_shape_overflow_is_clear():
+    with pytest.raises(ValueError, match="overflow"):
+        tensor_ops.empty((1 << 40, 1 << 40), "float32")
