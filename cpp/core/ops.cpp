@@ -63,10 +63,21 @@ Rows collapse(const Tensor& t, const char* op, const char* arg) {
   return r;
 }
 
+bool handle_memory(const Tensor& t) {
+  if (t.device().is_host()) return false;
+  Backend* b = Registry::instance().find(t.device().backend);
+  return b && (b->table().flags & TO_BACKEND_HANDLE_MEMORY);
+}
+
 to_tensor rows_view(const Tensor& t, const Rows& r) {
   to_tensor v{};
-  v.data = t.data();
-  v.byte_offset = t.byte_offset();
+  // Pointer memory gets the offset folded in (plugin.h: byte_offset 0 there).
+  if (handle_memory(t)) {
+    v.data = t.data();
+    v.byte_offset = t.byte_offset();
+  } else {
+    v.data = static_cast<char*>(t.data()) + t.byte_offset();
+  }
   v.dtype = int32_t(t.dtype());
   v.ndim = 2;
   v.shape[0] = r.rows;
@@ -92,12 +103,6 @@ void check_same_device(const char* op, const char* arg, const Tensor& t, const T
 
 bool same_view(const Tensor& a, const Tensor& b) {
   return a.data() == b.data() && a.byte_offset() == b.byte_offset() && a.shape() == b.shape() && a.strides() == b.strides();
-}
-
-bool handle_memory(const Tensor& t) {
-  if (t.device().is_host()) return false;
-  Backend* b = Registry::instance().find(t.device().backend);
-  return b && (b->table().flags & TO_BACKEND_HANDLE_MEMORY);
 }
 
 bool overlaps(const Tensor& a, const Tensor& b) {
@@ -156,19 +161,17 @@ void launch(OpId op, std::initializer_list<const Tensor*> ins, std::initializer_
     return;
   }
   const Device dev{b.name(), 0};
-  std::vector<Tensor> dev_in, dev_out;
-  for (const Tensor* t : ins) {
+  for (const Tensor* t : ins)
     if (!t->is_contiguous())
       throw LayoutError(std::string(op_name(op)) + ": staging to " + dev.str() + " needs contiguous inputs, got " +
                         t->describe());
-    dev_in.push_back(to_device(*t, dev));
-  }
-  for (const Tensor* t : outs) {
+  for (const Tensor* t : outs)
     if (!t->is_contiguous())
       throw LayoutError(std::string(op_name(op)) + ": staging to " + dev.str() + " needs a contiguous out, got " +
                         t->describe());
-    dev_out.push_back(DeviceMemory::of(dev).empty(t->shape(), t->dtype()));
-  }
+  std::vector<Tensor> dev_in, dev_out;
+  for (const Tensor* t : ins) dev_in.push_back(to_device(*t, dev));
+  for (const Tensor* t : outs) dev_out.push_back(DeviceMemory::of(dev).empty(t->shape(), t->dtype()));
   for (size_t i = 0; i < dev_in.size(); ++i) call.inputs[i] = rows_view(dev_in[i], collapse(dev_in[i], "", ""));
   for (size_t i = 0; i < dev_out.size(); ++i)
     call.outputs[i] = rows_view(dev_out[i], collapse(dev_out[i], "", ""));

@@ -231,21 +231,32 @@ Backend& Registry::require(const std::string& name) const {
 }
 
 Backend& Registry::active() const {
-  if (!scope_stack.empty()) return require(scope_stack.back());
-  {
+  // A use("auto") scope skips set_backend() and falls to automatic choice.
+  const bool auto_scope = !scope_stack.empty() && scope_stack.back() == "auto";
+  if (!scope_stack.empty() && !auto_scope) return require(scope_stack.back());
+  if (!auto_scope) {
     std::lock_guard<std::mutex> lock(registry_mutex);
     if (!selected_.empty()) return require(selected_);
   }
   std::string forced = env_str("TENSOR_OPS_BACKEND");
-  if (!forced.empty() && forced != "auto") return require(forced);
+  if (!forced.empty() && forced != "auto") {
+    try {
+      return require(forced);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(std::string("TENSOR_OPS_BACKEND: ") + e.what());
+    } catch (const BackendUnavailable& e) {
+      throw BackendUnavailable(std::string("TENSOR_OPS_BACKEND: ") + e.what());
+    }
+  }
   const std::vector<std::string> order = split_list(env_str("TENSOR_OPS_PRIORITY"));
   if (!order.empty()) {
     const std::vector<std::string> known = known_names();
-    for (const std::string& name : order) {
-      // A typo in the priority list is an error, not a silent skip.
+    // A typo anywhere in the list is an error, not a silent skip.
+    for (const std::string& name : order)
       if (std::find(known.begin(), known.end(), name) == known.end())
-        throw InvalidArgument("TENSOR_OPS_PRIORITY names unknown backend '" + name +
-                              "'; valid backends: " + join(known));
+        throw InvalidArgument("TENSOR_OPS_PRIORITY names unknown backend '" + name + "'; valid backends: " +
+                              join(known));
+    for (const std::string& name : order) {
       Backend* b = find(name);
       if (b && b->usable()) return *b;
     }
@@ -264,7 +275,7 @@ void Registry::set_backend(const std::string& name) {
 std::string Registry::selected_name() const { return active().name(); }
 
 void Registry::push_scope(const std::string& name) {
-  require(name);
+  if (name != "auto") require(name);
   scope_stack.push_back(name);
 }
 

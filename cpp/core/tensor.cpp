@@ -20,15 +20,18 @@ Tensor::Tensor(void* data, DType dtype, std::vector<int64_t> shape, std::vector<
   if (shape_.size() > TENSOR_OPS_MAX_DIMS)
     throw InvalidArgument("tensor has " + std::to_string(shape_.size()) + " dimensions; at most " +
                           std::to_string(TENSOR_OPS_MAX_DIMS) + " are supported");
-  // Sizes must be non-negative and numel * itemsize must fit in int64.
+  // Sizes must be non-negative, and the product of the sizes (zeros counted
+  // as ones, since contiguous strides are built from it) times the item size
+  // must fit in int64.
   const int64_t limit = std::numeric_limits<int64_t>::max() / 8;
-  int64_t n = 1;
+  int64_t span = 1;
   for (int64_t d : shape_) {
     if (d < 0) throw InvalidArgument("negative dimension in shape " + shape_str(shape_));
-    if (d != 0 && n > limit / d)
-      throw InvalidArgument("shape " + shape_str(shape_) + " overflows the addressable size");
-    n *= d;
+    const int64_t e = std::max<int64_t>(d, 1);
+    if (span > limit / e) throw InvalidArgument("shape " + shape_str(shape_) + " overflows the addressable size");
+    span *= e;
   }
+  const int64_t n = numel();
   if (strides_.empty()) {
     strides_.resize(shape_.size());
     int64_t s = 1;
@@ -38,6 +41,18 @@ Tensor::Tensor(void* data, DType dtype, std::vector<int64_t> shape, std::vector<
     }
   } else if (strides_.size() != shape_.size()) {
     throw InvalidArgument("strides " + shape_str(strides_) + " do not match shape " + shape_str(shape_));
+  } else {
+    // The extent (sum of |stride| * (size - 1)) must not overflow either.
+    int64_t extent = 0;
+    for (size_t i = 0; i < shape_.size(); ++i) {
+      if (shape_[i] == 0) continue;
+      int64_t term;
+      const int64_t st = strides_[i] < 0 ? -strides_[i] : strides_[i];
+      if (strides_[i] == std::numeric_limits<int64_t>::min() || __builtin_mul_overflow(st, shape_[i] - 1, &term) ||
+          __builtin_add_overflow(extent, term, &extent) || extent > limit)
+        throw InvalidArgument("strides " + shape_str(strides_) + " with shape " + shape_str(shape_) +
+                              " overflow the addressable size");
+    }
   }
   if (data_ == nullptr && n != 0) throw InvalidArgument("tensor " + describe() + " has a null data pointer");
 }

@@ -46,7 +46,8 @@ void copy_bytes(const Tensor& dst, const Tensor& src) {
   if (n == 0) return;
   const Device &dd = dst.device(), &sd = src.device();
   if (dd.is_host() && sd.is_host()) {
-    std::memmove(dst.data(), src.data(), n);
+    std::memmove(static_cast<char*>(dst.data()) + dst.byte_offset(),
+                 static_cast<const char*>(src.data()) + src.byte_offset(), n);
     return;
   }
   if (!dd.is_host() && !sd.is_host() && dd.backend != sd.backend) {
@@ -77,7 +78,7 @@ void zero_fill(const Tensor& t) {
   const size_t n = size_t(t.nbytes());
   if (n == 0) return;
   if (t.device().is_host()) {
-    std::memset(t.data(), 0, n);
+    std::memset(static_cast<char*>(t.data()) + t.byte_offset(), 0, n);
     return;
   }
   Backend& b = Registry::instance().require(t.device().backend);

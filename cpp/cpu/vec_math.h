@@ -70,8 +70,10 @@ inline uint16_t f32_to_bf16_bits(float f) {
 inline float half_bits_to_f32(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   const uint32_t em = h & 0x7fffu;
-  // normal and denormal by one multiply (2^112 rebias); inf/NaN fixed after.
-  float v = bits_to_f32(em << 13) * 5.192296858534828e+33f;
+  // Normal: rebias the exponent; denormal: mant * 2^-24 (exact, and immune
+  // to flush-to-zero modes); inf/NaN last.
+  float v = bits_to_f32((em << 13) + 0x38000000u);
+  v = em < 0x400u ? float(em) * 5.9604644775390625e-08f : v;
   v = em >= 0x7c00u ? bits_to_f32(0x7f800000u | (em << 13)) : v;
   return bits_to_f32(f32_to_bits(v) | sign);
 }
