@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   if (json) std::fprintf(json, "[\n");
   std::printf("| size | pool (cached) ns | pool+stats ns | malloc/free ns | speedup |\n|---|---|---|---|---|\n");
   bool first = true;
+  median_pair_ns(256, [&](size_t n) { return pool.allocate(n); }, [&](void* q, size_t n) { pool.deallocate(q, n); });
   for (size_t bytes = 256; bytes <= (size_t(64) << 20); bytes *= 4) {
     const double p = median_pair_ns(bytes, [&](size_t n) { return pool.allocate(n); },
                                     [&](void* q, size_t n) { pool.deallocate(q, n); });

@@ -9,6 +9,25 @@ namespace tensor_ops {
 CachingPool::CachingPool(MemoryResource& upstream, bool splittable)
     : upstream_(upstream), splittable_(splittable) {}
 
+CachingPool::Block* CachingPool::make_block(char* ptr, size_t size, bool small) {
+  if (spare_blocks_.empty()) return new Block{ptr, size, small};
+  Block* b = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  *b = Block{ptr, size, small};
+  return b;
+}
+
+void CachingPool::drop_block(Block* b) {
+  if (spare_blocks_.size() < 4096) {
+    try {
+      spare_blocks_.push_back(b);
+      return;
+    } catch (...) {
+    }
+  }
+  delete b;
+}
+
 CachingPool::~CachingPool() {
   // Live blocks at destruction belong to a leaking caller; free what we own.
   std::lock_guard<std::mutex> lock(m_);
@@ -20,6 +39,7 @@ CachingPool::~CachingPool() {
       b = n;
     }
   }
+  for (Block* b : spare_blocks_) delete b;
 }
 
 void* CachingPool::allocate(size_t bytes) {
@@ -33,8 +53,14 @@ void* CachingPool::allocate(size_t bytes) {
 
 CachingPool::Block* CachingPool::new_segment(size_t size, bool small) {
   void* p = upstream_.allocate(size);  // throws OutOfMemory
-  Block* b = new Block{static_cast<char*>(p), size, small};
-  segments_.push_back(b);
+  Block* b;
+  try {
+    b = make_block(static_cast<char*>(p), size, small);
+    segments_.push_back(b);
+  } catch (...) {
+    upstream_.deallocate(p, size);
+    throw;
+  }
   segment_size_[b] = size;
   stats_.reserved_bytes += size;
   stats_.reserved_peak = std::max(stats_.reserved_peak, stats_.reserved_bytes);
@@ -62,7 +88,7 @@ void* CachingPool::allocate_locked(size_t bytes) {
   }
   const size_t min_rest = small ? kRound : kSmallLimit + 1;
   if (splittable_ && b->size - size >= min_rest) {
-    Block* rest = new Block{b->ptr + size, b->size - size, small};
+    Block* rest = make_block(b->ptr + size, b->size - size, small);
     rest->prev = b;
     rest->next = b->next;
     if (b->next) b->next->prev = rest;
@@ -98,7 +124,7 @@ void CachingPool::deallocate(void* p, size_t) noexcept {
     a->size += b->size;
     a->next = b->next;
     if (b->next) b->next->prev = a;
-    delete b;
+    drop_block(b);
     b = a;
   }
   if (b->next && b->next->free) {
@@ -107,7 +133,7 @@ void CachingPool::deallocate(void* p, size_t) noexcept {
     b->size += c->size;
     b->next = c->next;
     if (c->next) c->next->prev = b;
-    delete c;
+    drop_block(c);
   }
   pool.insert(b);
 }
@@ -123,7 +149,7 @@ void CachingPool::release_locked() {
       stats_.reserved_bytes -= size;
       --stats_.segments;
       ++stats_.upstream_frees;
-      delete seg;
+      drop_block(seg);
     } else {
       keep.push_back(seg);
     }

@@ -12,6 +12,7 @@
 // splittable=false every block is its own segment, reused whole when it is
 // at most twice the request.
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <unordered_map>
@@ -28,6 +29,44 @@ struct PoolStats {
   uint64_t segments = 0, active_blocks = 0;
   uint64_t cache_hits = 0, cache_misses = 0;
   uint64_t upstream_allocs = 0, upstream_frees = 0, releases = 0;
+};
+
+// Keeps freed single nodes for reuse so the steady state of the pool makes no
+// calls to the system allocator (used under the pool's lock only).
+template <class T>
+struct NodeRecycler {
+  using value_type = T;
+  std::shared_ptr<std::vector<void*>> spare = std::make_shared<std::vector<void*>>();
+  NodeRecycler() = default;
+  template <class U>
+  NodeRecycler(const NodeRecycler<U>&) {}  // rebinding: a list of its own node size
+  T* allocate(size_t n) {
+    if (n == 1 && !spare->empty()) {
+      void* p = spare->back();
+      spare->pop_back();
+      return static_cast<T*>(p);
+    }
+    return static_cast<T*>(::operator new(n * sizeof(T)));
+  }
+  void deallocate(T* p, size_t n) noexcept {
+    if (n == 1 && spare->size() < 4096) {
+      try {
+        spare->push_back(p);
+        return;
+      } catch (...) {
+      }
+    }
+    ::operator delete(p);
+  }
+  ~NodeRecycler() {
+    if (spare.use_count() == 1)
+      for (void* p : *spare) ::operator delete(p);
+  }
+  // Every node comes from ::operator new, so any instance may free it.
+  template <class U>
+  bool operator==(const NodeRecycler<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const NodeRecycler<U>&) const { return false; }
 };
 
 class CachingPool final : public MemoryResource {
@@ -64,17 +103,22 @@ class CachingPool final : public MemoryResource {
       return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
     }
   };
-  using FreeSet = std::set<Block*, BySize>;
+  using FreeSet = std::set<Block*, BySize, NodeRecycler<Block*>>;
 
   void* allocate_locked(size_t bytes);
   Block* new_segment(size_t size, bool small);
   void release_locked();
+  Block* make_block(char* ptr, size_t size, bool small);
+  void drop_block(Block* b);
 
   MemoryResource& upstream_;
   const bool splittable_;
   mutable std::mutex m_;
   FreeSet free_small_, free_large_;
-  std::unordered_map<void*, Block*> active_;
+  std::unordered_map<void*, Block*, std::hash<void*>, std::equal_to<void*>,
+                     NodeRecycler<std::pair<void* const, Block*>>>
+      active_;
+  std::vector<Block*> spare_blocks_;
   std::vector<Block*> segments_;  // first block of each segment
   std::map<Block*, size_t> segment_size_;
   PoolStats stats_;
