@@ -137,13 +137,27 @@ Backend& backend_for_tensor(const Tensor& x) {
   return b;
 }
 
+to_tensor full_view(const Tensor& t, const char* op, const char* arg) {
+  if (!t.is_contiguous())
+    throw LayoutError(std::string(op) + ": " + arg + " " + t.describe() + " must be contiguous");
+  to_tensor v = rows_view(t, Rows{});
+  v.ndim = int32_t(t.ndim());
+  for (int64_t i = 0; i < t.ndim(); ++i) {
+    v.shape[i] = t.shape()[size_t(i)];
+    v.strides[i] = t.strides()[size_t(i)];
+  }
+  return v;
+}
+
+using TensorList = std::vector<const Tensor*>;  // nullptr: an absent optional tensor
+
 // Runs op on the backend that owns the data. Host data with a device backend
 // selected is staged: inputs copied to device 0 through its pool, outputs
 // computed there and copied back. Staging takes contiguous tensors only (the
-// Python layer retries a LayoutError with contiguous copies).
-void launch(OpId op, std::initializer_list<const Tensor*> ins, std::initializer_list<const Tensor*> outs,
-            to_op_call& call) {
-  const Tensor& x = **ins.begin();
+// Python layer retries a LayoutError with contiguous copies). Row-wise ops get
+// [rows, cols] views; others (full = true) contiguous views of every dim.
+void launch(OpId op, const TensorList& ins, const TensorList& outs, to_op_call& call, bool full = false) {
+  const Tensor& x = *ins.front();
   Backend& b = backend_for_tensor(x);
   to_kernel_fn fn = b.table().kernels[int(op)];
   if (!fn)
@@ -151,33 +165,90 @@ void launch(OpId op, std::initializer_list<const Tensor*> ins, std::initializer_
   call.op = int32_t(op);
   call.n_inputs = int32_t(ins.size());
   call.n_outputs = int32_t(outs.size());
+  const char* name = op_name(op);
+  auto view = [&](const Tensor& t, const char* arg) {
+    return full ? full_view(t, name, arg) : rows_view(t, collapse(t, name, arg));
+  };
   const bool stage = x.device().is_host() && b.name() != "cpu";
   if (!stage) {
-    int i = 0;
-    for (const Tensor* t : ins) call.inputs[i++] = rows_view(*t, collapse(*t, op_name(op), "input"));
-    i = 0;
-    for (const Tensor* t : outs) call.outputs[i++] = rows_view(*t, collapse(*t, op_name(op), "out"));
-    b.check(fn(&call), op_name(op));
+    for (size_t i = 0; i < ins.size(); ++i)
+      if (ins[i]) call.inputs[i] = view(*ins[i], "input");
+    for (size_t i = 0; i < outs.size(); ++i)
+      if (outs[i]) call.outputs[i] = view(*outs[i], "out");
+    b.check(fn(&call), name);
     return;
   }
   const Device dev{b.name(), 0};
-  for (const Tensor* t : ins)
-    if (!t->is_contiguous())
-      throw LayoutError(std::string(op_name(op)) + ": staging to " + dev.str() + " needs contiguous inputs, got " +
-                        t->describe());
-  for (const Tensor* t : outs)
-    if (!t->is_contiguous())
-      throw LayoutError(std::string(op_name(op)) + ": staging to " + dev.str() + " needs a contiguous out, got " +
-                        t->describe());
-  std::vector<Tensor> dev_in, dev_out;
-  for (const Tensor* t : ins) dev_in.push_back(to_device(*t, dev));
-  for (const Tensor* t : outs) dev_out.push_back(DeviceMemory::of(dev).empty(t->shape(), t->dtype()));
-  for (size_t i = 0; i < dev_in.size(); ++i) call.inputs[i] = rows_view(dev_in[i], collapse(dev_in[i], "", ""));
-  for (size_t i = 0; i < dev_out.size(); ++i)
-    call.outputs[i] = rows_view(dev_out[i], collapse(dev_out[i], "", ""));
-  b.check(fn(&call), op_name(op));
-  size_t i = 0;
-  for (const Tensor* t : outs) copy_bytes(*t, dev_out[i++]);
+  for (const TensorList* list : {&ins, &outs})
+    for (const Tensor* t : *list)
+      if (t && !t->is_contiguous())
+        throw LayoutError(std::string(name) + ": staging to " + dev.str() + " needs contiguous tensors, got " +
+                          t->describe());
+  std::vector<Tensor> dev_in(ins.size()), dev_out(outs.size());
+  for (size_t i = 0; i < ins.size(); ++i)
+    if (ins[i]) {
+      dev_in[i] = to_device(*ins[i], dev);
+      call.inputs[i] = view(dev_in[i], "input");
+    }
+  for (size_t i = 0; i < outs.size(); ++i)
+    if (outs[i]) {
+      dev_out[i] = DeviceMemory::of(dev).empty(outs[i]->shape(), outs[i]->dtype());
+      call.outputs[i] = view(dev_out[i], "out");
+    }
+  b.check(fn(&call), name);
+  for (size_t i = 0; i < outs.size(); ++i)
+    if (outs[i]) copy_bytes(*outs[i], dev_out[i]);
+}
+
+void check_float(const char* op, const char* arg, const Tensor& t) {
+  if (!is_float(t.dtype()))
+    throw DTypeError(std::string(op) + ": " + arg + " has dtype " + dtype_name(t.dtype()) +
+                     "; tensor_ops ops take float32, float16 or bfloat16 (" + arg + ": " + t.describe() + ")");
+}
+
+void check_like(const char* op, const char* arg, const Tensor& t, const Tensor& x) {
+  if (t.shape() != x.shape())
+    throw InvalidArgument(std::string(op) + ": " + arg + " has shape " + shape_str(t.shape()) + " but x has " +
+                          shape_str(x.shape()));
+  check_dtype_match(op, arg, t, x);
+  check_same_device(op, arg, t, x);
+}
+
+void check_eps(const char* op, double eps) {
+  if (!std::isfinite(eps) || eps < 0)
+    throw InvalidArgument(std::string(op) + ": eps must be finite and >= 0, got " + std::to_string(eps));
+}
+
+// weight-like: 1-D of the last dim's size, same dtype and device as x.
+void check_vector(const char* op, const char* arg, const Tensor& w, const Tensor& x) {
+  check_dtype_match(op, arg, w, x);
+  check_same_device(op, arg, w, x);
+  const int64_t cols = x.ndim() ? x.shape().back() : 1;
+  if (w.ndim() != 1 || w.shape()[0] != cols)
+    throw InvalidArgument(std::string(op) + ": " + arg + " must have shape [" + std::to_string(cols) +
+                          "] to match x " + x.describe() + ", got " + w.describe());
+}
+
+void check_rank(const char* op, const Tensor& x, int64_t min_rank) {
+  if (x.ndim() < min_rank)
+    throw InvalidArgument(std::string(op) + ": x must have at least " + std::to_string(min_rank) +
+                          " dimension(s), got " + x.describe());
+}
+
+// Outputs must not overlap inputs (except out == x, where the op allows it)
+// or each other.
+void check_outputs(const char* op, const TensorList& outs, const TensorList& ins) {
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (!outs[i]) continue;
+    for (const Tensor* in : ins)
+      if (in && !same_view(*outs[i], *in) && overlaps(*outs[i], *in))
+        throw InvalidArgument(std::string(op) + ": output " + outs[i]->describe() + " overlaps an input " +
+                              in->describe());
+    for (size_t j = 0; j < i; ++j)
+      if (outs[j] && overlaps(*outs[i], *outs[j]))
+        throw InvalidArgument(std::string(op) + ": outputs " + outs[j]->describe() + " and " +
+                              outs[i]->describe() + " overlap");
+  }
 }
 
 }  // namespace
@@ -186,6 +257,7 @@ std::string backend_for(const Tensor& x) { return backend_for_tensor(x).name(); 
 
 void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, double eps) {
   const char* op = "rms_norm";
+  check_float(op, "x", x);
   if (x.ndim() < 1)
     throw InvalidArgument("rms_norm: x must have at least 1 dimension (it normalises the last); got a 0-d tensor");
   check_dtype_match(op, "weight", weight, x);
@@ -208,6 +280,7 @@ void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, double e
 
 static void unary(OpId op, const Tensor& x, const Tensor& out, int64_t mode) {
   const char* name = op_name(op);
+  check_float(name, "x", x);
   check_out(name, out, x, {});
   if (x.numel() == 0) return;
   collapse(x, name, "x");
@@ -228,6 +301,285 @@ void gelu(const Tensor& x, const Tensor& out, const std::string& approximate) {
   else
     throw InvalidArgument("gelu: approximate must be 'none' or 'tanh', got '" + approximate + "'");
   unary(OpId::gelu, x, out, mode);
+}
+
+}  // namespace tensor_ops
+
+namespace tensor_ops {
+
+Activation activation_from_name(const std::string& name, const std::string& approximate) {
+  if (approximate != "none" && approximate != "tanh")
+    throw InvalidArgument("approximate must be 'none' or 'tanh', got '" + approximate + "'");
+  if (name == "silu" || name == "swish") return Activation::Silu;
+  if (name == "gelu") return approximate == "tanh" ? Activation::GeluTanh : Activation::Gelu;
+  if (name == "gelu_tanh") return Activation::GeluTanh;
+  throw InvalidArgument("unknown activation '" + name + "'; valid: silu, gelu, gelu_tanh");
+}
+
+void layer_norm(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& out, double eps) {
+  const char* op = "layer_norm";
+  check_float(op, "x", x);
+  check_rank(op, x, 1);
+  check_vector(op, "weight", weight, x);
+  if (bias) check_vector(op, "bias", *bias, x);
+  check_eps(op, eps);
+  check_out(op, out, x, {&weight});
+  if (bias) check_outputs(op, {&out}, {bias});
+  if (x.numel() == 0) return;
+  to_op_call call{};
+  call.scalars[0] = eps;
+  call.ints[0] = bias != nullptr;
+  launch(OpId::layer_norm, {&x, &weight, bias}, {&out}, call);
+}
+
+void rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& dx,
+                       const Tensor& dweight, double eps) {
+  const char* op = "rms_norm_backward";
+  check_float(op, "x", x);
+  check_rank(op, x, 1);
+  check_like(op, "dy", dy, x);
+  check_vector(op, "weight", weight, x);
+  check_like(op, "dx", dx, x);
+  check_vector(op, "dweight", dweight, x);
+  check_eps(op, eps);
+  check_outputs(op, {&dx, &dweight}, {&dy, &x, &weight});
+  if (x.shape().back() == 0) return;
+  to_op_call call{};
+  call.scalars[0] = eps;
+  launch(OpId::rms_norm_backward, {&dy, &x, &weight}, {&dx, &dweight}, call);
+}
+
+void layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& dx,
+                         const Tensor& dweight, const Tensor* dbias, double eps) {
+  const char* op = "layer_norm_backward";
+  check_float(op, "x", x);
+  check_rank(op, x, 1);
+  check_like(op, "dy", dy, x);
+  check_vector(op, "weight", weight, x);
+  check_like(op, "dx", dx, x);
+  check_vector(op, "dweight", dweight, x);
+  if (dbias) check_vector(op, "dbias", *dbias, x);
+  check_eps(op, eps);
+  check_outputs(op, {&dx, &dweight, dbias}, {&dy, &x, &weight});
+  if (x.shape().back() == 0) return;
+  to_op_call call{};
+  call.scalars[0] = eps;
+  call.ints[0] = dbias != nullptr;
+  launch(OpId::layer_norm_backward, {&dy, &x, &weight}, {&dx, &dweight, dbias}, call);
+}
+
+void add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& out,
+                  const Tensor& residual_out, double eps) {
+  const char* op = "add_rms_norm";
+  check_float(op, "x", x);
+  check_rank(op, x, 1);
+  check_like(op, "residual", residual, x);
+  check_vector(op, "weight", weight, x);
+  check_like(op, "out", out, x);
+  check_like(op, "residual_out", residual_out, x);
+  check_eps(op, eps);
+  // In place is allowed: out may be x, residual_out may be residual.
+  check_outputs(op, {&out}, {&x, &weight});
+  check_outputs(op, {&residual_out}, {&residual, &weight});
+  if (overlaps(out, residual) || overlaps(residual_out, x) || overlaps(out, residual_out))
+    throw InvalidArgument("add_rms_norm: out may alias x and residual_out may alias residual, nothing else");
+  if (x.numel() == 0) return;
+  to_op_call call{};
+  call.scalars[0] = eps;
+  launch(OpId::add_rms_norm, {&x, &residual, &weight}, {&out, &residual_out}, call);
+}
+
+static void check_scale(const char* op, double scale) {
+  if (!std::isfinite(scale)) throw InvalidArgument(std::string(op) + ": scale must be finite, got " + std::to_string(scale));
+}
+
+void softmax(const Tensor& x, const Tensor& out, double scale, bool causal, bool log) {
+  const char* op = log ? "log_softmax" : "softmax";
+  check_float(op, "x", x);
+  check_scale(op, scale);
+  if (causal) check_rank(op, x, 2);
+  check_out(op, out, x, {});
+  if (x.numel() == 0) return;
+  to_op_call call{};
+  call.scalars[0] = scale;
+  call.ints[0] = causal;
+  call.ints[1] = log;
+  // causal needs the query length: the second-to-last dim.
+  call.ints[2] = x.ndim() >= 2 ? x.shape()[size_t(x.ndim() - 2)] : 1;
+  launch(OpId::softmax, {&x}, {&out}, call);
+}
+
+void softmax_backward(const Tensor& dy, const Tensor& y, const Tensor& dx, double scale, bool log) {
+  const char* op = "softmax_backward";
+  check_float(op, "y", y);
+  check_scale(op, scale);
+  check_like(op, "dy", dy, y);
+  check_out(op, dx, y, {});
+  check_outputs(op, {&dx}, {&dy});
+  if (y.numel() == 0) return;
+  to_op_call call{};
+  call.scalars[0] = scale;
+  call.ints[1] = log;
+  launch(OpId::softmax_backward, {&dy, &y}, {&dx}, call);
+}
+
+void activation_backward(const Tensor& dy, const Tensor& x, const Tensor& dx, Activation act) {
+  const char* op = "activation_backward";
+  check_float(op, "x", x);
+  check_like(op, "dy", dy, x);
+  check_like(op, "dx", dx, x);
+  check_outputs(op, {&dx}, {&x});
+  if (!same_view(dx, dy) && overlaps(dx, dy)) throw InvalidArgument("activation_backward: dx partially overlaps dy");
+  if (x.numel() == 0) return;
+  to_op_call call{};
+  call.ints[0] = int64_t(act);
+  launch(OpId::activation_backward, {&dy, &x}, {&dx}, call);
+}
+
+void glu(const Tensor& gate, const Tensor& up, const Tensor& out, Activation act) {
+  const char* op = "glu";
+  check_float(op, "gate", gate);
+  check_like(op, "up", up, gate);
+  check_out(op, out, gate, {});
+  if (!same_view(out, up) && overlaps(out, up)) throw InvalidArgument("glu: out partially overlaps up");
+  if (gate.numel() == 0) return;
+  to_op_call call{};
+  call.ints[0] = int64_t(act);
+  launch(OpId::glu, {&gate, &up}, {&out}, call);
+}
+
+void glu_backward(const Tensor& dy, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup,
+                  Activation act) {
+  const char* op = "glu_backward";
+  check_float(op, "gate", gate);
+  check_like(op, "up", up, gate);
+  check_like(op, "dy", dy, gate);
+  check_like(op, "dgate", dgate, gate);
+  check_like(op, "dup", dup, gate);
+  check_outputs(op, {&dgate, &dup}, {&dy, &gate, &up});
+  if (gate.numel() == 0) return;
+  to_op_call call{};
+  call.ints[0] = int64_t(act);
+  launch(OpId::glu_backward, {&dy, &gate, &up}, {&dgate, &dup}, call);
+}
+
+void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions, const Tensor& out,
+          bool interleaved, bool inverse) {
+  const char* op = "rope";
+  check_float(op, "x", x);
+  if (x.ndim() != 4)
+    throw InvalidArgument("rope: x must be [batch, seq, heads, head_dim], got " + x.describe());
+  const int64_t B = x.shape()[0], S = x.shape()[1], D = x.shape()[3];
+  check_dtype_match(op, "cos", cos, x);
+  check_dtype_match(op, "sin", sin, x);
+  check_same_device(op, "cos", cos, x);
+  check_same_device(op, "sin", sin, x);
+  check_same_device(op, "positions", positions, x);
+  if (cos.ndim() != 2 || sin.shape() != cos.shape())
+    throw InvalidArgument("rope: cos and sin must both be [max_position, rotary_dim / 2], got cos " +
+                          cos.describe() + ", sin " + sin.describe());
+  const int64_t half = cos.shape()[1];
+  if (half < 1 || 2 * half > D)
+    throw InvalidArgument("rope: rotary_dim = 2 * " + std::to_string(half) + " must be in [2, head_dim = " +
+                          std::to_string(D) + "]");
+  if (positions.dtype() != DType::Int64 && positions.dtype() != DType::Int32)
+    throw DTypeError("rope: positions must be int32 or int64, got " + positions.describe());
+  if (positions.ndim() != 2 || (positions.shape()[0] != B && positions.shape()[0] != 1) ||
+      positions.shape()[1] != S)
+    throw InvalidArgument("rope: positions must be [batch or 1, seq] = [" + std::to_string(B) + " or 1, " +
+                          std::to_string(S) + "], got " + positions.describe());
+  check_out(op, out, x, {&cos, &sin, &positions});
+  if (x.numel() == 0) return;
+  to_op_call call{};
+  call.ints[0] = interleaved;
+  call.ints[1] = inverse;
+  launch(OpId::rope, {&x, &cos, &sin, &positions}, {&out}, call, /*full=*/true);
+}
+
+static void check_attention_shapes(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
+  check_float(op, "q", q);
+  check_dtype_match(op, "k", k, q);
+  check_dtype_match(op, "v", v, q);
+  check_same_device(op, "k", k, q);
+  check_same_device(op, "v", v, q);
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
+    throw InvalidArgument(std::string(op) + ": q, k, v must be [batch, heads, seq, head_dim], got q " +
+                          q.describe() + ", k " + k.describe() + ", v " + v.describe());
+  if (k.shape() != v.shape() || k.shape()[0] != q.shape()[0] || k.shape()[3] != q.shape()[3])
+    throw InvalidArgument(std::string(op) + ": k and v must be [" + std::to_string(q.shape()[0]) +
+                          ", kv_heads, kv_seq, " + std::to_string(q.shape()[3]) + "], got k " + k.describe() +
+                          ", v " + v.describe());
+  if (k.shape()[1] == 0 || q.shape()[1] % k.shape()[1] != 0)
+    throw InvalidArgument(std::string(op) + ": kv heads (" + std::to_string(k.shape()[1]) +
+                          ") must divide q heads (" + std::to_string(q.shape()[1]) + ")");
+}
+
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
+               double scale) {
+  const char* op = "attention";
+  check_attention_shapes(op, q, k, v);
+  check_scale(op, scale);
+  check_out(op, out, q, {&k, &v});
+  const std::vector<int64_t> lse_shape(q.shape().begin(), q.shape().end() - 1);
+  if (lse.dtype() != DType::Float32 || lse.shape() != lse_shape)
+    throw InvalidArgument("attention: lse must be float32 " + shape_str(lse_shape) + ", got " + lse.describe());
+  check_same_device(op, "lse", lse, q);
+  check_outputs(op, {&out, &lse}, {&q, &k, &v});
+  if (q.numel() == 0) return;
+  to_op_call call{};
+  call.scalars[0] = scale;
+  call.ints[0] = causal;
+  launch(OpId::attention, {&q, &k, &v}, {&out, &lse}, call, /*full=*/true);
+}
+
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, bool causal,
+                        double scale) {
+  const char* op = "attention_backward";
+  check_attention_shapes(op, q, k, v);
+  check_scale(op, scale);
+  check_like(op, "dout", dout, q);
+  check_like(op, "out", out, q);
+  check_like(op, "dq", dq, q);
+  check_like(op, "dk", dk, k);
+  check_like(op, "dv", dv, v);
+  const std::vector<int64_t> lse_shape(q.shape().begin(), q.shape().end() - 1);
+  if (lse.dtype() != DType::Float32 || lse.shape() != lse_shape)
+    throw InvalidArgument("attention_backward: lse must be float32 " + shape_str(lse_shape) + ", got " +
+                          lse.describe());
+  check_outputs(op, {&dq, &dk, &dv}, {&dout, &q, &k, &v, &out, &lse});
+  if (q.numel() == 0 && k.numel() == 0) return;
+  to_op_call call{};
+  call.scalars[0] = scale;
+  call.ints[0] = causal;
+  launch(OpId::attention_backward, {&dout, &q, &k, &v, &out, &lse}, {&dq, &dk, &dv}, call, /*full=*/true);
+}
+
+void cross_entropy(const Tensor& logits, const Tensor& target, const Tensor& loss, const Tensor* dlogits,
+                   int64_t ignore_index, double grad_scale) {
+  const char* op = "cross_entropy";
+  check_float(op, "logits", logits);
+  if (logits.ndim() != 2) throw InvalidArgument("cross_entropy: logits must be [N, C], got " + logits.describe());
+  if (target.dtype() != DType::Int64 && target.dtype() != DType::Int32)
+    throw DTypeError("cross_entropy: target must be int32 or int64 class indices, got " + target.describe());
+  if (target.ndim() != 1 || target.shape()[0] != logits.shape()[0])
+    throw InvalidArgument("cross_entropy: target must be [" + std::to_string(logits.shape()[0]) + "], got " +
+                          target.describe());
+  check_same_device(op, "target", target, logits);
+  if (loss.dtype() != DType::Float32 || loss.shape() != target.shape())
+    throw InvalidArgument("cross_entropy: loss must be float32 " + shape_str(target.shape()) + ", got " +
+                          loss.describe());
+  check_same_device(op, "loss", loss, logits);
+  if (dlogits) check_like(op, "dlogits", *dlogits, logits);
+  check_scale(op, grad_scale);
+  check_outputs(op, {&loss, dlogits}, {&logits, &target});
+  if (logits.shape()[0] == 0) return;
+  if (logits.shape()[1] == 0) throw InvalidArgument("cross_entropy: logits have no classes: " + logits.describe());
+  to_op_call call{};
+  call.ints[0] = ignore_index;
+  call.ints[1] = dlogits != nullptr;
+  call.scalars[0] = grad_scale;
+  launch(OpId::cross_entropy, {&logits, &target}, {&loss, dlogits}, call, /*full=*/true);
 }
 
 }  // namespace tensor_ops

@@ -44,12 +44,12 @@ const CpuFeatures& features() {
 }
 
 std::vector<const IsaKernels*> supported_levels() {
-  std::vector<const IsaKernels*> v{&kernels_baseline};
+  std::vector<const IsaKernels*> v{&kernels_baseline()};
 #ifdef TENSOR_OPS_CPU_X86
   const CpuFeatures& f = features();
-  if (f.avx2 && f.fma && f.f16c) v.push_back(&kernels_avx2);
+  if (f.avx2 && f.fma && f.f16c) v.push_back(&kernels_avx2());
   if (f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq)
-    v.push_back(&kernels_avx512);
+    v.push_back(&kernels_avx512());
 #endif
   return v;
 }
@@ -87,6 +87,7 @@ std::atomic<const IsaKernels*>& level() {
 }
 
 thread_local std::string last_error_text;
+constexpr int64_t kKeyBlockScratch = 64;  // attention scores per key block (kernels_llm.h)
 
 // Work per task: about 64 KiB of data, so small calls stay on one thread.
 int64_t grain_for(int64_t bytes_per_item) { return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, bytes_per_item)); }
@@ -143,6 +144,101 @@ to_status run_gelu(const to_op_call* c) {
   const DType dt = dt_of(c->inputs[0]);
   const int64_t mode = c->ints[0];
   return run_unary(c, [&](const void* x, void* y, int64_t n) { k->gelu(dt, x, y, n, mode); });
+}
+
+// How an op's work splits: items, bytes touched per item (for the grain), fp32
+// scratch per chunk.
+struct Split {
+  int64_t items, bytes_per_item, scratch;
+};
+
+bool all_flat(const to_op_call* c) {
+  for (int i = 0; i < c->n_inputs; ++i)
+    if (c->inputs[i].data && c->inputs[i].strides[0] != c->inputs[i].shape[1] && c->inputs[i].shape[0] > 1)
+      return false;
+  for (int i = 0; i < c->n_outputs; ++i)
+    if (c->outputs[i].data && c->outputs[i].strides[0] != c->outputs[i].shape[1] && c->outputs[i].shape[0] > 1)
+      return false;
+  return true;
+}
+
+Split split_of(const to_op_call& c) {
+  const to_tensor& x = c.inputs[0];
+  const int64_t item = int64_t(dtype_size(dt_of(x)));
+  const int64_t rows = x.shape[0], cols = x.ndim > 1 ? x.shape[1] : 1;
+  switch (OpId(c.op)) {
+    case OpId::layer_norm: return {rows, cols * item * 2, 3 * cols};
+    case OpId::rms_norm_backward:
+    case OpId::layer_norm_backward: return {rows, cols * item * 3, 5 * cols};
+    case OpId::add_rms_norm: return {rows, cols * item * 4, 3 * cols};
+    case OpId::softmax:
+    case OpId::cross_entropy: return {rows, cols * item * 2, cols};
+    case OpId::softmax_backward: return {rows, cols * item * 3, 2 * cols};
+    case OpId::activation_backward:
+    case OpId::glu:
+    case OpId::glu_backward:
+      if (c.ints[3]) return {rows * cols, item * 5, 0};
+      return {rows, cols * item * 5, 0};
+    case OpId::rope: {
+      const int64_t D = x.shape[3], half = c.inputs[1].shape[1];
+      return {x.shape[0] * x.shape[1], x.shape[2] * D * item * 2, D + 2 * half};
+    }
+    case OpId::attention: {
+      const int64_t D = x.shape[3], Lk = c.inputs[1].shape[2];
+      return {x.shape[0] * x.shape[1] * x.shape[2], Lk * D * item * 2, 3 * D + kKeyBlockScratch};
+    }
+    case OpId::attention_backward: {
+      const to_tensor& k = c.inputs[2];
+      const int64_t D = k.shape[3], Lk = k.shape[2];
+      return {k.shape[0] * k.shape[1], Lk * D * item * 8, 4 * Lk * D + 4 * D};
+    }
+    default: return {rows, cols * item, 0};
+  }
+}
+
+// Runs an item kernel over the pool's threads. Each chunk gets its own zeroed
+// scratch; the norm backward ops then sum the chunks' dweight (and dbias)
+// partials and store them in the weight's dtype.
+to_status run_items(const to_op_call* call) {
+  to_op_call c = *call;
+  const OpId op = OpId(c.op);
+  if (op == OpId::activation_backward || op == OpId::glu || op == OpId::glu_backward) c.ints[3] = all_flat(&c);
+  const IsaKernels* k = level().load();
+  const Split sp = split_of(c);
+  ThreadPool& pool = ThreadPool::instance();
+  const int64_t grain = grain_for(sp.bytes_per_item);
+  int64_t chunks = std::min<int64_t>(pool.num_threads(), std::max<int64_t>(1, sp.items / grain));
+  if (sp.items == 0) chunks = 1;
+  std::vector<float> scratch(size_t(chunks * sp.scratch), 0.0f);
+  std::atomic<int> bad{0};
+  pool.parallel_for(chunks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t ci = b; ci < e; ++ci) {
+      const int64_t i0 = sp.items * ci / chunks, i1 = sp.items * (ci + 1) / chunks;
+      if (int r = k->ops[int(op)](c, i0, i1, scratch.data() + ci * sp.scratch)) bad = r;
+    }
+  });
+  if (bad == 1) {
+    last_error_text = "a position is outside the cos/sin tables [0, " + std::to_string(c.inputs[1].shape[0]) + ")";
+    return TO_ERR_INVALID_ARGUMENT;
+  }
+  if (bad == 2) {
+    last_error_text = "a target is outside [0, " + std::to_string(c.inputs[0].shape[1]) +
+                      ") and is not the ignore_index " + std::to_string(c.ints[0]);
+    return TO_ERR_INVALID_ARGUMENT;
+  }
+  if (op == OpId::rms_norm_backward || op == OpId::layer_norm_backward) {
+    const int64_t cols = c.inputs[1].shape[1];
+    std::vector<float> sum(size_t(cols) * 2, 0.0f);
+    for (int64_t ci = 0; ci < chunks; ++ci)
+      for (int64_t j = 0; j < cols; ++j) {
+        sum[size_t(j)] += scratch[size_t(ci * sp.scratch + 3 * cols + j)];
+        sum[size_t(cols + j)] += scratch[size_t(ci * sp.scratch + 4 * cols + j)];
+      }
+    k->from_float(dt_of(c.outputs[1]), sum.data(), c.outputs[1].data, cols);
+    if (op == OpId::layer_norm_backward && c.ints[0])
+      k->from_float(dt_of(c.outputs[2]), sum.data() + cols, c.outputs[2].data, cols);
+  }
+  return TO_OK;
 }
 
 std::string cpuinfo_field(const char* key) {
@@ -242,6 +338,10 @@ to_backend_v1 make_table() {
   t.kernels[int(OpId::rms_norm)] = run_rms_norm;
   t.kernels[int(OpId::silu)] = run_silu;
   t.kernels[int(OpId::gelu)] = run_gelu;
+  for (OpId op : {OpId::layer_norm, OpId::rms_norm_backward, OpId::layer_norm_backward, OpId::add_rms_norm,
+                  OpId::softmax, OpId::softmax_backward, OpId::activation_backward, OpId::glu, OpId::glu_backward,
+                  OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy})
+    t.kernels[int(op)] = run_items;
   return t;
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "tensor_ops/dtype.h"
+#include "tensor_ops/plugin.h"
 
 namespace tensor_ops::cpu {
 
@@ -17,12 +18,19 @@ struct IsaKernels {
   void (*silu)(DType dt, const void* x, void* y, int64_t n);
   void (*gelu)(DType dt, const void* x, void* y, int64_t n, int64_t tanh_mode);
   void (*to_float)(DType dt, const void* src, float* dst, int64_t n);
+  void (*from_float)(DType dt, const float* src, void* dst, int64_t n);
+  // The other ops (kernels_llm.h): work items [i0, i1) of a validated call,
+  // with an fp32 scratch area per chunk; nonzero return: a bad index in the
+  // data (1: a rope position, 2: a cross-entropy target).
+  using ItemKernel = int (*)(const to_op_call& call, int64_t i0, int64_t i1, float* scratch);
+  ItemKernel ops[TENSOR_OPS_MAX_OPS];
 };
 
-extern const IsaKernels kernels_baseline;
+// Call only the levels the CPU runs (cpu_backend.cpp checks cpuid).
+const IsaKernels& kernels_baseline();
 #ifdef TENSOR_OPS_CPU_X86
-extern const IsaKernels kernels_avx2;
-extern const IsaKernels kernels_avx512;
+const IsaKernels& kernels_avx2();
+const IsaKernels& kernels_avx512();
 #endif
 
 }  // namespace tensor_ops::cpu

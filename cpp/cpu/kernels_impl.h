@@ -7,6 +7,7 @@
 #endif
 
 #include "isa.h"
+#include "tensor_ops/ops.h"
 
 namespace tensor_ops::cpu {
 namespace TENSOR_OPS_ISA_NS {
@@ -141,6 +142,7 @@ void map_dispatch(DType dt, const void* x, void* y, int64_t n, F f) {
     case DType::Float32: map_span<DType::Float32>(x, y, n, f); break;
     case DType::Float16: map_span<DType::Float16>(x, y, n, f); break;
     case DType::BFloat16: map_span<DType::BFloat16>(x, y, n, f); break;
+    default: break;
   }
 }
 
@@ -150,6 +152,7 @@ void rms_norm(DType dt, const void* x, int64_t xs, const float* w, void* y, int6
     case DType::Float32: rms_norm_t<DType::Float32>(x, xs, w, y, ys, r0, r1, cols, eps); break;
     case DType::Float16: rms_norm_t<DType::Float16>(x, xs, w, y, ys, r0, r1, cols, eps); break;
     case DType::BFloat16: rms_norm_t<DType::BFloat16>(x, xs, w, y, ys, r0, r1, cols, eps); break;
+    default: break;
   }
 }
 
@@ -169,17 +172,46 @@ void to_float(DType dt, const void* src, float* dst, int64_t n) {
       break;
     case DType::Float16: load_f32<DType::Float16>(src, dst, n); break;
     case DType::BFloat16: load_f32<DType::BFloat16>(src, dst, n); break;
+    default: break;
   }
 }
+
+#include "kernels_llm.h"
 
 }  // namespace
 }  // namespace TENSOR_OPS_ISA_NS
 
 #define TENSOR_OPS_CAT2(a, b) a##b
 #define TENSOR_OPS_CAT(a, b) TENSOR_OPS_CAT2(a, b)
-const IsaKernels TENSOR_OPS_CAT(kernels_, TENSOR_OPS_ISA_NS) = {
-    TENSOR_OPS_ISA_NAME,      TENSOR_OPS_ISA_NS::rms_norm, TENSOR_OPS_ISA_NS::silu,
-    TENSOR_OPS_ISA_NS::gelu, TENSOR_OPS_ISA_NS::to_float,
-};
+static IsaKernels make_kernels() {
+  namespace k = TENSOR_OPS_ISA_NS;
+  IsaKernels t{};
+  t.name = TENSOR_OPS_ISA_NAME;
+  t.rms_norm = k::rms_norm;
+  t.silu = k::silu;
+  t.gelu = k::gelu;
+  t.to_float = k::to_float;
+  t.from_float = k::from_float;
+  t.ops[int(OpId::layer_norm)] = k::layer_norm;
+  t.ops[int(OpId::rms_norm_backward)] = k::rms_norm_backward;
+  t.ops[int(OpId::layer_norm_backward)] = k::layer_norm_backward;
+  t.ops[int(OpId::add_rms_norm)] = k::add_rms_norm;
+  t.ops[int(OpId::softmax)] = k::softmax;
+  t.ops[int(OpId::softmax_backward)] = k::softmax_backward;
+  t.ops[int(OpId::activation_backward)] = k::activation_backward;
+  t.ops[int(OpId::glu)] = k::glu;
+  t.ops[int(OpId::glu_backward)] = k::glu_backward;
+  t.ops[int(OpId::rope)] = k::rope;
+  t.ops[int(OpId::attention)] = k::attention;
+  t.ops[int(OpId::attention_backward)] = k::attention_backward;
+  t.ops[int(OpId::cross_entropy)] = k::cross_entropy;
+  return t;
+}
+// A function, not a global: a global's initialiser would run (with this
+// level's instructions) when the library loads, on CPUs that lack them.
+const IsaKernels& TENSOR_OPS_CAT(kernels_, TENSOR_OPS_ISA_NS)() {
+  static const IsaKernels table = make_kernels();
+  return table;
+}
 
 }  // namespace tensor_ops::cpu

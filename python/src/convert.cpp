@@ -51,6 +51,10 @@ Tensor to_tensor(const nb::ndarray<nb::ro>& a, const char* arg, bool as_bfloat16
     dt = DType::BFloat16;
   else if (as_bfloat16 && d.lanes == 1 && d.code == uint8_t(nb::dlpack::dtype_code::UInt) && d.bits == 16)
     dt = DType::BFloat16;
+  else if (d.lanes == 1 && d.code == uint8_t(nb::dlpack::dtype_code::Int) && d.bits == 32)
+    dt = DType::Int32;
+  else if (d.lanes == 1 && d.code == uint8_t(nb::dlpack::dtype_code::Int) && d.bits == 64)
+    dt = DType::Int64;
   else
     throw DTypeError(std::string(arg) + " has dtype " + dl_dtype_name(d) +
                      "; tensor_ops ops take float32, float16 or bfloat16");

@@ -23,6 +23,8 @@ nb::dlpack::dtype dl_dtype(DType t) {
     case DType::Float32: return nb::dtype<float>();
     case DType::Float16: return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
     case DType::BFloat16: return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+    case DType::Int32: return nb::dtype<int32_t>();
+    case DType::Int64: return nb::dtype<int64_t>();
   }
   return nb::dtype<float>();
 }
@@ -44,7 +46,7 @@ auto as_ndarray(const Tensor& t, bool bits_as_uint16 = false) {
   std::vector<size_t> shape(t.shape().begin(), t.shape().end());
   std::vector<int64_t> strides(t.strides().begin(), t.strides().end());
   nb::dlpack::dtype dt = dl_dtype(t.dtype());
-  if (bits_as_uint16 && t.dtype() != DType::Float32) dt = nb::dtype<uint16_t>();
+  if (bits_as_uint16 && dtype_size(t.dtype()) == 2) dt = nb::dtype<uint16_t>();
   return nb::ndarray<Framework...>(static_cast<char*>(t.data()) + t.byte_offset(), t.ndim(), shape.data(), owner,
                                 strides.data(), dt, dl_device_type(t.device()), t.device().id);
 }

@@ -10,6 +10,22 @@ namespace nb = nanobind;
 using Array = nb::handle;
 
 namespace tensor_ops::python {
+namespace {
+
+// An optional tensor argument: None -> absent.
+struct Opt {
+  bool present = false;
+  Tensor t;
+  Opt(nb::handle h, const char* arg, bool bf16) {
+    if (!h.is_none()) {
+      t = to_tensor(h, arg, bf16);
+      present = true;
+    }
+  }
+  const Tensor* get() const { return present ? &t : nullptr; }
+};
+
+}  // namespace
 
 void init_ops(nb::module_& m) {
   m.def(
@@ -37,6 +53,137 @@ void init_ops(nb::module_& m) {
         gelu(tx, to, approximate);
       },
       nb::arg("x"), nb::arg("out"), nb::arg("approximate"), nb::arg("bf16") = false);
+  m.def(
+      "layer_norm",
+      [](Array x, Array w, Array b, Array out, double eps, bool bf16) {
+        Tensor tx = to_tensor(x, "x", bf16), tw = to_tensor(w, "weight", bf16), to = to_tensor(out, "out", bf16);
+        Opt tb(b, "bias", bf16);
+        nb::gil_scoped_release release;
+        layer_norm(tx, tw, tb.get(), to, eps);
+      },
+      nb::arg("x"), nb::arg("weight"), nb::arg("bias").none(), nb::arg("out"), nb::arg("eps"), nb::arg("bf16") = false);
+  m.def(
+      "rms_norm_backward",
+      [](Array dy, Array x, Array w, Array dx, Array dw, double eps, bool bf16) {
+        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(x, "x", bf16), c = to_tensor(w, "weight", bf16),
+               d = to_tensor(dx, "dx", bf16), e = to_tensor(dw, "dweight", bf16);
+        nb::gil_scoped_release release;
+        rms_norm_backward(a, b, c, d, e, eps);
+      },
+      nb::arg("dy"), nb::arg("x"), nb::arg("weight"), nb::arg("dx"), nb::arg("dweight"), nb::arg("eps"),
+      nb::arg("bf16") = false);
+  m.def(
+      "layer_norm_backward",
+      [](Array dy, Array x, Array w, Array dx, Array dw, Array db, double eps, bool bf16) {
+        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(x, "x", bf16), c = to_tensor(w, "weight", bf16),
+               d = to_tensor(dx, "dx", bf16), e = to_tensor(dw, "dweight", bf16);
+        Opt f(db, "dbias", bf16);
+        nb::gil_scoped_release release;
+        layer_norm_backward(a, b, c, d, e, f.get(), eps);
+      },
+      nb::arg("dy"), nb::arg("x"), nb::arg("weight"), nb::arg("dx"), nb::arg("dweight"), nb::arg("dbias").none(),
+      nb::arg("eps"), nb::arg("bf16") = false);
+  m.def(
+      "add_rms_norm",
+      [](Array x, Array r, Array w, Array out, Array rout, double eps, bool bf16) {
+        Tensor a = to_tensor(x, "x", bf16), b = to_tensor(r, "residual", bf16), c = to_tensor(w, "weight", bf16),
+               d = to_tensor(out, "out", bf16), e = to_tensor(rout, "residual_out", bf16);
+        nb::gil_scoped_release release;
+        add_rms_norm(a, b, c, d, e, eps);
+      },
+      nb::arg("x"), nb::arg("residual"), nb::arg("weight"), nb::arg("out"), nb::arg("residual_out"), nb::arg("eps"),
+      nb::arg("bf16") = false);
+  m.def(
+      "softmax",
+      [](Array x, Array out, double scale, bool causal, bool log, bool bf16) {
+        Tensor a = to_tensor(x, "x", bf16), b = to_tensor(out, "out", bf16);
+        nb::gil_scoped_release release;
+        softmax(a, b, scale, causal, log);
+      },
+      nb::arg("x"), nb::arg("out"), nb::arg("scale"), nb::arg("causal"), nb::arg("log"), nb::arg("bf16") = false);
+  m.def(
+      "softmax_backward",
+      [](Array dy, Array y, Array dx, double scale, bool log, bool bf16) {
+        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(y, "y", bf16), c = to_tensor(dx, "dx", bf16);
+        nb::gil_scoped_release release;
+        softmax_backward(a, b, c, scale, log);
+      },
+      nb::arg("dy"), nb::arg("y"), nb::arg("dx"), nb::arg("scale"), nb::arg("log"), nb::arg("bf16") = false);
+  m.def(
+      "activation_backward",
+      [](Array dy, Array x, Array dx, const std::string& act, const std::string& approx, bool bf16) {
+        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(x, "x", bf16), c = to_tensor(dx, "dx", bf16);
+        Activation ac = activation_from_name(act, approx);
+        nb::gil_scoped_release release;
+        activation_backward(a, b, c, ac);
+      },
+      nb::arg("dy"), nb::arg("x"), nb::arg("dx"), nb::arg("activation"), nb::arg("approximate"),
+      nb::arg("bf16") = false);
+  m.def(
+      "glu",
+      [](Array g, Array u, Array out, const std::string& act, const std::string& approx, bool bf16) {
+        Tensor a = to_tensor(g, "gate", bf16), b = to_tensor(u, "up", bf16), c = to_tensor(out, "out", bf16);
+        Activation ac = activation_from_name(act, approx);
+        nb::gil_scoped_release release;
+        glu(a, b, c, ac);
+      },
+      nb::arg("gate"), nb::arg("up"), nb::arg("out"), nb::arg("activation"), nb::arg("approximate"),
+      nb::arg("bf16") = false);
+  m.def(
+      "glu_backward",
+      [](Array dy, Array g, Array u, Array dg, Array du, const std::string& act, const std::string& approx,
+         bool bf16) {
+        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(g, "gate", bf16), c = to_tensor(u, "up", bf16),
+               d = to_tensor(dg, "dgate", bf16), e = to_tensor(du, "dup", bf16);
+        Activation ac = activation_from_name(act, approx);
+        nb::gil_scoped_release release;
+        glu_backward(a, b, c, d, e, ac);
+      },
+      nb::arg("dy"), nb::arg("gate"), nb::arg("up"), nb::arg("dgate"), nb::arg("dup"), nb::arg("activation"),
+      nb::arg("approximate"), nb::arg("bf16") = false);
+  m.def(
+      "rope",
+      [](Array x, Array cos, Array sin, Array pos, Array out, bool interleaved, bool inverse, bool bf16) {
+        Tensor a = to_tensor(x, "x", bf16), b = to_tensor(cos, "cos", bf16), c = to_tensor(sin, "sin", bf16),
+               d = to_tensor(pos, "positions"), e = to_tensor(out, "out", bf16);
+        nb::gil_scoped_release release;
+        rope(a, b, c, d, e, interleaved, inverse);
+      },
+      nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("positions"), nb::arg("out"), nb::arg("interleaved"),
+      nb::arg("inverse"), nb::arg("bf16") = false);
+  m.def(
+      "attention",
+      [](Array q, Array k, Array v, Array out, Array lse, bool causal, double scale, bool bf16) {
+        Tensor a = to_tensor(q, "q", bf16), b = to_tensor(k, "k", bf16), c = to_tensor(v, "v", bf16),
+               d = to_tensor(out, "out", bf16), e = to_tensor(lse, "lse");
+        nb::gil_scoped_release release;
+        attention(a, b, c, d, e, causal, scale);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("causal"), nb::arg("scale"),
+      nb::arg("bf16") = false);
+  m.def(
+      "attention_backward",
+      [](Array dout, Array q, Array k, Array v, Array out, Array lse, Array dq, Array dk, Array dv, bool causal,
+         double scale, bool bf16) {
+        Tensor t0 = to_tensor(dout, "dout", bf16), t1 = to_tensor(q, "q", bf16), t2 = to_tensor(k, "k", bf16),
+               t3 = to_tensor(v, "v", bf16), t4 = to_tensor(out, "out", bf16), t5 = to_tensor(lse, "lse"),
+               t6 = to_tensor(dq, "dq", bf16), t7 = to_tensor(dk, "dk", bf16), t8 = to_tensor(dv, "dv", bf16);
+        nb::gil_scoped_release release;
+        attention_backward(t0, t1, t2, t3, t4, t5, t6, t7, t8, causal, scale);
+      },
+      nb::arg("dout"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dq"),
+      nb::arg("dk"), nb::arg("dv"), nb::arg("causal"), nb::arg("scale"), nb::arg("bf16") = false);
+  m.def(
+      "cross_entropy",
+      [](Array logits, Array target, Array loss, Array dlogits, int64_t ignore_index, double grad_scale,
+         bool bf16) {
+        Tensor a = to_tensor(logits, "logits", bf16), b = to_tensor(target, "target"), c = to_tensor(loss, "loss");
+        Opt d(dlogits, "dlogits", bf16);
+        nb::gil_scoped_release release;
+        cross_entropy(a, b, c, d.get(), ignore_index, grad_scale);
+      },
+      nb::arg("logits"), nb::arg("target"), nb::arg("loss"), nb::arg("dlogits").none(), nb::arg("ignore_index"),
+      nb::arg("grad_scale"), nb::arg("bf16") = false);
   m.def(
       "data_ptr",
       [](const Array& x) {

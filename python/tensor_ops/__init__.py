@@ -18,6 +18,8 @@ from .backends import (
     set_backend,
     use,
 )
+from .ops import *  # noqa: F401,F403  (the op set beyond the first three)
+from .ops import __all__ as _ops_all
 from .memory import (
     Tensor,
     allocate_with_oom_protection,
@@ -71,7 +73,7 @@ def gelu(x, approximate: str = "none", *, out=None):
     return _unary(_C.gelu, x, out, approximate)
 
 
-__all__ = [
+__all__ = _ops_all + [
     "Tensor",
     "empty",
     "zeros",

@@ -66,18 +66,46 @@ class Arg:
             self.array = np.ascontiguousarray(np.from_dlpack(self.array))
 
 
-def empty_like(arg: Arg):
-    """A contiguous output matching arg, in arg's framework."""
+def empty_like(arg: Arg, shape=None, dtype: str | None = None):
+    """A contiguous output in arg's framework and on arg's device: arg's shape
+    and dtype unless given (dtype as a name: "float32", "int64", ...)."""
     a = arg.original if arg.kind == "numpy" else arg.array
+    if arg.kind == "dlpack":
+        a = np.from_dlpack(a)
+    shape = tuple(a.shape) if shape is None else tuple(shape)
     if arg.kind == "tensor_ops":
-        return _C.empty(list(a.shape), a.dtype, a.device)
+        return _C.empty(list(shape), dtype or a.dtype, a.device)
     if arg.kind == "torch":
         t = _torch()
-        return t.empty(a.shape, dtype=a.dtype, device=a.device)
-    if arg.kind == "numpy":
-        return np.empty(a.shape, dtype=a.dtype)
-    host = np.from_dlpack(a)
-    return np.empty(host.shape, dtype=host.dtype)
+        return t.empty(shape, dtype=getattr(t, dtype) if dtype else a.dtype, device=a.device)
+    return np.empty(shape, dtype=np.dtype(dtype) if dtype else a.dtype)
+
+
+def native(value):
+    """The array the core reads for an output or extra argument (numpy
+    bfloat16 as its uint16 bits)."""
+    if isinstance(value, np.ndarray) and value.dtype.name == _BF16_NAME:
+        return value.view(np.uint16)
+    return value
+
+
+def run(fn, args: list[Arg], outs: list, *extra):
+    """fn(*inputs, *outputs, *extra, bf16=...) with a contiguous retry for
+    strided inputs; outputs must be writable."""
+    bf16 = any(a.bf16_view for a in args if a is not None) or any(
+        isinstance(o, np.ndarray) and o.dtype.name == _BF16_NAME for o in outs if o is not None
+    )
+    for o in outs:
+        if isinstance(o, np.ndarray) and not o.flags.writeable:
+            raise InvalidArgumentError(f"output is a read-only numpy array (shape {o.shape}, dtype {o.dtype})")
+    outs_n = [native(o) for o in outs]
+    try:
+        fn(*[a.array if a is not None else None for a in args], *outs_n, *extra, bf16=bf16)
+    except LayoutError:
+        for a in args:
+            if a is not None:
+                a.contiguous()
+        fn(*[a.array if a is not None else None for a in args], *outs_n, *extra, bf16=bf16)
 
 
 def call(fn, args: list[Arg], out, *extra):

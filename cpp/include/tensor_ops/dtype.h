@@ -9,9 +9,23 @@
 
 namespace tensor_ops {
 
-enum class DType : int32_t { Float32 = TO_FLOAT32, Float16 = TO_FLOAT16, BFloat16 = TO_BFLOAT16 };
+enum class DType : int32_t {
+  Float32 = TO_FLOAT32,
+  Float16 = TO_FLOAT16,
+  BFloat16 = TO_BFLOAT16,
+  Int32 = TO_INT32,  // index tensors only (targets, positions)
+  Int64 = TO_INT64,
+};
 
-inline size_t dtype_size(DType t) { return t == DType::Float32 ? 4 : 2; }
+inline size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::Float16:
+    case DType::BFloat16: return 2;
+    case DType::Int64: return 8;
+    default: return 4;
+  }
+}
+inline bool is_float(DType t) { return t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16; }
 const char* dtype_name(DType t);
 // Accepts "float32", "float16", "bfloat16" and the short forms f32/f16/bf16.
 DType dtype_from_name(const std::string& name);

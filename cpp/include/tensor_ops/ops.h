@@ -23,6 +23,52 @@ void silu(const Tensor& x, const Tensor& out);
 // approximate: "none" (erf) or "tanh"
 void gelu(const Tensor& x, const Tensor& out, const std::string& approximate = "none");
 
+// Activations for activation_backward and the gated units (glu).
+enum class Activation : int64_t { Silu = 0, Gelu = 1, GeluTanh = 2 };
+Activation activation_from_name(const std::string& name, const std::string& approximate = "none");
+
+// Row-wise ops work on the last dimension. Kernel argument layouts:
+// layer_norm: in x, weight, bias? -> y; scalars[0] eps; ints[0] has_bias.
+void layer_norm(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& out, double eps);
+// rms_norm_backward: in dy, x, weight -> dx, dweight; scalars[0] eps.
+void rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& dx,
+                       const Tensor& dweight, double eps);
+// layer_norm_backward: in dy, x, weight -> dx, dweight, dbias?; eps; ints[0] has_bias.
+void layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& dx,
+                         const Tensor& dweight, const Tensor* dbias, double eps);
+// add_rms_norm: in x, residual, weight -> y = rms_norm(x + residual), residual_out = x + residual.
+void add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& out,
+                  const Tensor& residual_out, double eps);
+// softmax: in x -> y = softmax(scale * x) (log_softmax when ints[1]); scalars[0] scale;
+// ints[0] causal: [.., i, j] masked when j > i + cols - rows of the last two dims.
+void softmax(const Tensor& x, const Tensor& out, double scale, bool causal, bool log);
+// softmax_backward: in dy, y -> dx; scalars[0] scale; ints[1] log.
+void softmax_backward(const Tensor& dy, const Tensor& y, const Tensor& dx, double scale, bool log);
+// activation_backward: in dy, x -> dx; ints[0] activation.
+void activation_backward(const Tensor& dy, const Tensor& x, const Tensor& dx, Activation act);
+// glu: in gate, up -> y = act(gate) * up; ints[0] activation (swiglu, geglu).
+void glu(const Tensor& gate, const Tensor& up, const Tensor& out, Activation act);
+// glu_backward: in dy, gate, up -> dgate, dup; ints[0] activation.
+void glu_backward(const Tensor& dy, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup,
+                  Activation act);
+// rope: in x [B, S, H, D], cos [P, R/2], sin [P, R/2], positions int64 [B or 1, S] -> y;
+// ints[0] interleaved (GPT-J) else NeoX; ints[1] inverse (rotate by -angle: the backward).
+void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions, const Tensor& out,
+          bool interleaved, bool inverse);
+// attention: in q [B, Hq, Lq, D], k, v [B, Hkv, Lk, D] -> out [B, Hq, Lq, D], lse float32 [B, Hq, Lq];
+// scalars[0] scale; ints[0] causal (bottom-right aligned).
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+               bool causal, double scale);
+// attention_backward: in dout, q, k, v, out, lse -> dq, dk, dv; scale, causal.
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, bool causal,
+                        double scale);
+// cross_entropy: in logits [N, C], target int32/int64 [N] -> loss float32 [N], dlogits? [N, C]
+// (= grad_scale * (softmax - onehot), 0 on ignored rows); ints[0] ignore_index; ints[1] has_grad;
+// scalars[0] grad_scale.
+void cross_entropy(const Tensor& logits, const Tensor& target, const Tensor& loss, const Tensor* dlogits,
+                   int64_t ignore_index, double grad_scale);
+
 // Name of the backend an op with these tensors would run on.
 std::string backend_for(const Tensor& x);
 

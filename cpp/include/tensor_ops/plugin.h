@@ -32,7 +32,8 @@ typedef enum to_status {
   TO_ERR_INTERNAL = 6
 } to_status;
 
-typedef enum to_dtype { TO_FLOAT32 = 0, TO_FLOAT16 = 1, TO_BFLOAT16 = 2 } to_dtype;
+/* Float types carry data; the integer types only index (targets, positions). */
+typedef enum to_dtype { TO_FLOAT32 = 0, TO_FLOAT16 = 1, TO_BFLOAT16 = 2, TO_INT32 = 3, TO_INT64 = 4 } to_dtype;
 
 typedef enum to_device_type {
   TO_DEVICE_CPU = 0,

@@ -1,0 +1,551 @@
+// The LLM op kernels (norms with backward, softmax, gated units, RoPE,
+// attention, cross-entropy), included by kernels_impl.h inside each ISA
+// namespace. Every kernel has one signature: it processes work items
+// [i0, i1) of a validated call (rows, positions or heads, as cpu_backend.cpp
+// splits them) with a per-chunk fp32 scratch area, and returns 0 or a
+// nonzero code for a bad index found in the data (positions, targets).
+// Math is fp32 throughout; 16-bit inputs are converted row by row.
+
+template <DType D>
+inline void ld(const void* base, int64_t off, int64_t n, float* dst) {
+  if constexpr (D == DType::Float32) {
+    const float* s = static_cast<const float*>(base) + off;
+    for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
+  } else {
+    load_f32<D>(static_cast<const uint16_t*>(base) + off, dst, n);
+  }
+}
+
+template <DType D>
+inline void st(const float* src, void* base, int64_t off, int64_t n) {
+  if constexpr (D == DType::Float32) {
+    float* d = static_cast<float*>(base) + off;
+    for (int64_t i = 0; i < n; ++i) d[i] = src[i];
+  } else {
+    store_f32<D>(src, static_cast<uint16_t*>(base) + off, n);
+  }
+}
+
+inline double sum_f(const float* v, int64_t n) {
+  double total = 0;
+  for (int64_t c = 0; c < n; c += kBlock) {
+    const int64_t m = min64(kBlock, n - c);
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16)
+      for (int j = 0; j < 16; ++j) acc[j] += v[c + i + j];
+    for (; i < m; ++i) acc[i & 15] += v[c + i];
+    float s = 0;
+    for (int j = 0; j < 16; ++j) s += acc[j];
+    total += s;
+  }
+  return total;
+}
+
+inline double dot_f(const float* a, const float* b, int64_t n) {
+  double total = 0;
+  for (int64_t c = 0; c < n; c += kBlock) {
+    const int64_t m = min64(kBlock, n - c);
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16)
+      for (int j = 0; j < 16; ++j) acc[j] += a[c + i + j] * b[c + i + j];
+    for (; i < m; ++i) acc[i & 15] += a[c + i] * b[c + i];
+    float s = 0;
+    for (int j = 0; j < 16; ++j) s += acc[j];
+    total += s;
+  }
+  return total;
+}
+
+// Short dot product (attention head dims): fp32 lanes, no double.
+inline float dot_short(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  for (; i < n; ++i) acc[i & 15] += a[i] * b[i];
+  float s = 0;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  return s;
+}
+
+inline const char* row_ptr(const to_tensor& t) { return static_cast<const char*>(t.data); }
+
+// ---- norms ----------------------------------------------------------------
+
+// scratch: x row | weight | bias
+template <DType D>
+int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
+  const to_tensor &x = c.inputs[0], &w = c.inputs[1], &b = c.inputs[2], &y = c.outputs[0];
+  const int64_t cols = x.shape[1];
+  float *buf = scratch, *wf = scratch + cols, *bf = scratch + 2 * cols;
+  ld<D>(w.data, 0, cols, wf);
+  if (c.ints[0]) ld<D>(b.data, 0, cols, bf);
+  else
+    for (int64_t i = 0; i < cols; ++i) bf[i] = 0;
+  const float eps = float(c.scalars[0]);
+  for (int64_t r = r0; r < r1; ++r) {
+    ld<D>(x.data, r * x.strides[0], cols, buf);
+    const float mean = float(sum_f(buf, cols) / double(cols));
+    for (int64_t i = 0; i < cols; ++i) buf[i] -= mean;
+    const double var = dot_f(buf, buf, cols) / double(cols);
+    const float rstd = float(1.0 / __builtin_sqrt(var + double(eps)));
+    for (int64_t i = 0; i < cols; ++i) buf[i] = buf[i] * rstd * wf[i] + bf[i];
+    st<D>(buf, y.data, r * y.strides[0], cols);
+  }
+  return 0;
+}
+
+// scratch: x row | dy row | weight | dweight partial | dbias partial
+template <DType D, bool Layer>
+int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
+  const to_tensor &dy = c.inputs[0], &x = c.inputs[1], &w = c.inputs[2], &dx = c.outputs[0];
+  const int64_t cols = x.shape[1];
+  float *xb = scratch, *gb = scratch + cols, *wf = scratch + 2 * cols, *dw = scratch + 3 * cols,
+        *db = scratch + 4 * cols;
+  ld<D>(w.data, 0, cols, wf);
+  const double eps = c.scalars[0];
+  for (int64_t r = r0; r < r1; ++r) {
+    ld<D>(x.data, r * x.strides[0], cols, xb);
+    ld<D>(dy.data, r * dy.strides[0], cols, gb);
+    float mean = 0;
+    if constexpr (Layer) {
+      mean = float(sum_f(xb, cols) / double(cols));
+      for (int64_t i = 0; i < cols; ++i) xb[i] -= mean;
+    }
+    const float rstd = float(1.0 / __builtin_sqrt(dot_f(xb, xb, cols) / double(cols) + eps));
+    // xb <- x_hat; dw += dy * x_hat; db += dy; gb <- g = dy * w
+    for (int64_t i = 0; i < cols; ++i) {
+      xb[i] *= rstd;
+      dw[i] += gb[i] * xb[i];
+      if constexpr (Layer) db[i] += gb[i];
+      gb[i] *= wf[i];
+    }
+    const float c1 = float(dot_f(gb, xb, cols) / double(cols));
+    const float c2 = Layer ? float(sum_f(gb, cols) / double(cols)) : 0.0f;
+    for (int64_t i = 0; i < cols; ++i) gb[i] = rstd * (gb[i] - c2 - xb[i] * c1);
+    st<D>(gb, dx.data, r * dx.strides[0], cols);
+  }
+  return 0;
+}
+
+// scratch: row | weight
+template <DType D>
+int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
+  const to_tensor &x = c.inputs[0], &res = c.inputs[1], &w = c.inputs[2], &y = c.outputs[0],
+                  &ro = c.outputs[1];
+  const int64_t cols = x.shape[1];
+  float *a = scratch, *b = scratch + cols, *wf = scratch + 2 * cols;
+  ld<D>(w.data, 0, cols, wf);
+  const double eps = c.scalars[0];
+  for (int64_t r = r0; r < r1; ++r) {
+    ld<D>(x.data, r * x.strides[0], cols, a);
+    ld<D>(res.data, r * res.strides[0], cols, b);
+    for (int64_t i = 0; i < cols; ++i) a[i] += b[i];
+    st<D>(a, ro.data, r * ro.strides[0], cols);
+    if constexpr (D != DType::Float32) ld<D>(ro.data, r * ro.strides[0], cols, a);  // norm what was stored
+    const float scale = float(1.0 / __builtin_sqrt(dot_f(a, a, cols) / double(cols) + eps));
+    for (int64_t i = 0; i < cols; ++i) a[i] = a[i] * scale * wf[i];
+    st<D>(a, y.data, r * y.strides[0], cols);
+  }
+  return 0;
+}
+
+// ---- softmax --------------------------------------------------------------
+
+template <DType D>
+int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
+  const to_tensor &x = c.inputs[0], &y = c.outputs[0];
+  const int64_t cols = x.shape[1];
+  const float scale = float(c.scalars[0]);
+  const bool causal = c.ints[0], log = c.ints[1];
+  const int64_t lq = c.ints[2] > 0 ? c.ints[2] : 1;
+  const float ninf = -__builtin_inff();
+  float* v = scratch;
+  for (int64_t r = r0; r < r1; ++r) {
+    ld<D>(x.data, r * x.strides[0], cols, v);
+    int64_t valid = cols;
+    if (causal) {
+      const int64_t i = r % lq;
+      valid = i + cols - lq + 1;
+      valid = valid < 0 ? 0 : (valid > cols ? cols : valid);
+    }
+    float m = ninf;
+    for (int64_t j = 0; j < valid; ++j) {
+      v[j] *= scale;
+      m = v[j] > m ? v[j] : m;
+    }
+    if (valid == 0) {
+      for (int64_t j = 0; j < cols; ++j) v[j] = log ? ninf : 0.0f;
+    } else {
+      double sum = 0;
+      if (log) {
+        for (int64_t j = 0; j < valid; ++j) sum += double(exp_f32(v[j] - m));
+        const float lse = m + float(__builtin_log(sum));
+        for (int64_t j = 0; j < valid; ++j) v[j] -= lse;
+        for (int64_t j = valid; j < cols; ++j) v[j] = ninf;
+      } else {
+        for (int64_t j = 0; j < valid; ++j) v[j] = exp_f32(v[j] - m);
+        sum = sum_f(v, valid);
+        const float inv = float(1.0 / sum);
+        for (int64_t j = 0; j < valid; ++j) v[j] *= inv;
+        for (int64_t j = valid; j < cols; ++j) v[j] = 0.0f;
+      }
+    }
+    st<D>(v, y.data, r * y.strides[0], cols);
+  }
+  return 0;
+}
+
+// scratch: dy | y
+template <DType D>
+int softmax_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
+  const to_tensor &dy = c.inputs[0], &y = c.inputs[1], &dx = c.outputs[0];
+  const int64_t cols = y.shape[1];
+  const float scale = float(c.scalars[0]);
+  float *g = scratch, *p = scratch + cols;
+  for (int64_t r = r0; r < r1; ++r) {
+    ld<D>(dy.data, r * dy.strides[0], cols, g);
+    ld<D>(y.data, r * y.strides[0], cols, p);
+    if (c.ints[1]) {
+      const float s = float(sum_f(g, cols));
+      for (int64_t j = 0; j < cols; ++j) g[j] = scale * (g[j] - exp_f32(p[j]) * s);
+    } else {
+      const float s = float(dot_f(g, p, cols));
+      for (int64_t j = 0; j < cols; ++j) g[j] = scale * p[j] * (g[j] - s);
+    }
+    st<D>(g, dx.data, r * dx.strides[0], cols);
+  }
+  return 0;
+}
+
+// ---- activations and gated units (flat element ranges) -------------------
+
+inline float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
+
+inline float act_f32(int64_t a, float x) {
+  return a == 0 ? silu_f32(x) : (a == 1 ? gelu_erf_f32(x) : gelu_tanh_f32(x));
+}
+
+// d act / dx
+inline float act_grad_f32(int64_t a, float x) {
+  if (a == 0) {
+    const float s = sigmoid_f32(x);
+    return s * (1.0f + x * (1.0f - s));
+  }
+  if (a == 1) {
+    const float cdf = 0.5f * erfc_f32(x * -0.70710678118654752f);
+    return cdf + x * 0.39894228040143268f * exp_f32(-0.5f * x * x);
+  }
+  const float k = 0.79788456080286536f;
+  const float u = k * (x + 0.044715f * x * x * x);
+  const float s = sigmoid_f32(2.0f * u);
+  return s + x * s * (1.0f - s) * 2.0f * k * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+// Elementwise kernels see the views as one flat span of rows * cols
+// elements when cpu_backend.cpp sets ints[3] (all contiguous); otherwise
+// [i0, i1) are rows.
+template <class F>
+inline void for_spans(const to_op_call& c, int64_t i0, int64_t i1, F f) {
+  const int64_t cols = c.inputs[0].shape[1];
+  if (c.ints[3]) {
+    for (int64_t s = i0; s < i1; s += kBlock) f(s, s, s, s, min64(kBlock, i1 - s));
+    return;
+  }
+  for (int64_t r = i0; r < i1; ++r)
+    for (int64_t s = 0; s < cols; s += kBlock)
+      f(r * c.inputs[0].strides[0] + s, r * c.inputs[1].strides[0] + s,
+        c.n_inputs > 2 ? r * c.inputs[2].strides[0] + s : 0, r * c.outputs[0].strides[0] + s, min64(kBlock, cols - s));
+}
+
+template <DType D>
+int activation_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
+  const int64_t a = c.ints[0];
+  alignas(64) float g[kBlock], xv[kBlock];
+  for_spans(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t n) {
+    ld<D>(c.inputs[0].data, o0, n, g);
+    ld<D>(c.inputs[1].data, o1, n, xv);
+    for (int64_t i = 0; i < n; ++i) g[i] *= act_grad_f32(a, xv[i]);
+    st<D>(g, c.outputs[0].data, oy, n);
+  });
+  return 0;
+}
+
+template <DType D>
+int glu_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
+  const int64_t a = c.ints[0];
+  alignas(64) float gv[kBlock], uv[kBlock];
+  for_spans(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t n) {
+    ld<D>(c.inputs[0].data, o0, n, gv);
+    ld<D>(c.inputs[1].data, o1, n, uv);
+    if (a == 0)
+      for (int64_t i = 0; i < n; ++i) gv[i] = silu_f32(gv[i]) * uv[i];
+    else if (a == 1)
+      for (int64_t i = 0; i < n; ++i) gv[i] = gelu_erf_f32(gv[i]) * uv[i];
+    else
+      for (int64_t i = 0; i < n; ++i) gv[i] = gelu_tanh_f32(gv[i]) * uv[i];
+    st<D>(gv, c.outputs[0].data, oy, n);
+  });
+  return 0;
+}
+
+template <DType D>
+int glu_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
+  const int64_t a = c.ints[0];
+  alignas(64) float g[kBlock], gv[kBlock], uv[kBlock];
+  // inputs: dy, gate, up; outputs: dgate, dup (same layout as dy when flat).
+  const int64_t cols = c.inputs[0].shape[1];
+  auto run = [&](int64_t ody, int64_t og, int64_t ou, int64_t odg, int64_t odu, int64_t n) {
+    ld<D>(c.inputs[0].data, ody, n, g);
+    ld<D>(c.inputs[1].data, og, n, gv);
+    ld<D>(c.inputs[2].data, ou, n, uv);
+    for (int64_t i = 0; i < n; ++i) {
+      const float act = act_f32(a, gv[i]), d = act_grad_f32(a, gv[i]);
+      gv[i] = g[i] * uv[i] * d;
+      uv[i] = g[i] * act;
+    }
+    st<D>(gv, c.outputs[0].data, odg, n);
+    st<D>(uv, c.outputs[1].data, odu, n);
+  };
+  if (c.ints[3]) {
+    for (int64_t s = i0; s < i1; s += kBlock) run(s, s, s, s, s, min64(kBlock, i1 - s));
+    return 0;
+  }
+  for (int64_t r = i0; r < i1; ++r)
+    for (int64_t s = 0; s < cols; s += kBlock)
+      run(r * c.inputs[0].strides[0] + s, r * c.inputs[1].strides[0] + s, r * c.inputs[2].strides[0] + s,
+          r * c.outputs[0].strides[0] + s, r * c.outputs[1].strides[0] + s, min64(kBlock, cols - s));
+  return 0;
+}
+
+// ---- RoPE: items are (batch, seq) positions --------------------------------
+
+inline int64_t index_at(const to_tensor& t, int64_t i) {
+  return t.dtype == int32_t(DType::Int64) ? static_cast<const int64_t*>(t.data)[i]
+                                           : int64_t(static_cast<const int32_t*>(t.data)[i]);
+}
+
+// scratch: x head row | cos | sin
+template <DType D>
+int rope_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
+  const to_tensor &x = c.inputs[0], &cs = c.inputs[1], &sn = c.inputs[2], &pos = c.inputs[3], &y = c.outputs[0];
+  const int64_t S = x.shape[1], H = x.shape[2], Dm = x.shape[3];
+  const int64_t P = cs.shape[0], half = cs.shape[1];
+  const bool inter = c.ints[0];
+  const float sign = c.ints[1] ? -1.0f : 1.0f;
+  float *v = scratch, *cv = scratch + Dm, *sv = scratch + Dm + half;
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t b = it / S, s = it % S;
+    const int64_t p = index_at(pos, (pos.shape[0] == 1 ? 0 : b) * pos.strides[0] + s);
+    if (p < 0 || p >= P) return 1;
+    ld<D>(cs.data, p * cs.strides[0], half, cv);
+    ld<D>(sn.data, p * sn.strides[0], half, sv);
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t off = ((b * S + s) * H + h) * Dm;
+      ld<D>(x.data, off, Dm, v);
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t a = inter ? 2 * i : i, bb = inter ? 2 * i + 1 : i + half;
+        const float x1 = v[a], x2 = v[bb], co = cv[i], si = sign * sv[i];
+        v[a] = x1 * co - x2 * si;
+        v[bb] = x2 * co + x1 * si;
+      }
+      st<D>(v, y.data, off, Dm);
+    }
+  }
+  return 0;
+}
+
+// ---- attention: forward items are query rows (b, h, i) ------------------
+
+constexpr int64_t kKeyBlock = 64;
+
+// scratch: q | acc | k row | scores
+template <DType D>
+int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
+  const to_tensor &q = c.inputs[0], &k = c.inputs[1], &v = c.inputs[2], &o = c.outputs[0], &lse = c.outputs[1];
+  const int64_t Hq = q.shape[1], Lq = q.shape[2], Dm = q.shape[3], Hkv = k.shape[1], Lk = k.shape[2];
+  const float scale = float(c.scalars[0]);
+  float *qv = scratch, *acc = scratch + Dm, *kr = scratch + 2 * Dm, *sc = scratch + 3 * Dm;
+  const float ninf = -__builtin_inff();
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t b = it / (Hq * Lq), h = (it / Lq) % Hq, i = it % Lq;
+    const int64_t kvh = h / (Hq / Hkv);
+    ld<D>(q.data, it * Dm, Dm, qv);
+    for (int64_t d = 0; d < Dm; ++d) {
+      qv[d] *= scale;
+      acc[d] = 0;
+    }
+    int64_t nk = Lk;
+    if (c.ints[0]) {
+      nk = i + Lk - Lq + 1;
+      nk = nk < 0 ? 0 : (nk > Lk ? Lk : nk);
+    }
+    const int64_t kbase = (b * Hkv + kvh) * Lk;
+    float m = ninf;
+    double l = 0;
+    for (int64_t j0 = 0; j0 < nk; j0 += kKeyBlock) {
+      const int64_t nb = min64(kKeyBlock, nk - j0);
+      float bm = ninf;
+      for (int64_t j = 0; j < nb; ++j) {
+        ld<D>(k.data, (kbase + j0 + j) * Dm, Dm, kr);
+        sc[j] = dot_short(qv, kr, Dm);
+        bm = sc[j] > bm ? sc[j] : bm;
+      }
+      if (bm > m) {
+        const float corr = m == ninf ? 0.0f : exp_f32(m - bm);
+        for (int64_t d = 0; d < Dm; ++d) acc[d] *= corr;
+        l *= double(corr);
+        m = bm;
+      }
+      for (int64_t j = 0; j < nb; ++j) {
+        const float p = exp_f32(sc[j] - m);
+        l += double(p);
+        ld<D>(v.data, (kbase + j0 + j) * Dm, Dm, kr);
+        for (int64_t d = 0; d < Dm; ++d) acc[d] += p * kr[d];
+      }
+    }
+    const float inv = l > 0 ? float(1.0 / l) : 0.0f;
+    for (int64_t d = 0; d < Dm; ++d) acc[d] *= inv;
+    st<D>(acc, o.data, it * Dm, Dm);
+    static_cast<float*>(lse.data)[it] = l > 0 ? m + float(__builtin_log(l)) : ninf;
+  }
+  return 0;
+}
+
+// Backward items are (b, kv head): each owns its dk, dv and the dq rows of
+// its query heads, so no two items write the same memory.
+// scratch: K | V | dK | dV (Lk x D each) | q | do | dq (D each)
+template <DType D>
+int attention_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
+  const to_tensor &dout = c.inputs[0], &q = c.inputs[1], &k = c.inputs[2], &v = c.inputs[3], &o = c.inputs[4],
+                  &lse = c.inputs[5], &dq = c.outputs[0], &dk = c.outputs[1], &dv = c.outputs[2];
+  const int64_t Hq = q.shape[1], Lq = q.shape[2], Dm = q.shape[3], Hkv = k.shape[1], Lk = k.shape[2];
+  const int64_t group = Hq / Hkv;
+  const float scale = float(c.scalars[0]);
+  float *K = scratch, *V = K + Lk * Dm, *dK = V + Lk * Dm, *dV = dK + Lk * Dm, *qv = dV + Lk * Dm, *dov = qv + Dm,
+        *dqv = dov + Dm, *ov = dqv + Dm;
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t b = it / Hkv, kvh = it % Hkv;
+    const int64_t kbase = (b * Hkv + kvh) * Lk * Dm;
+    ld<D>(k.data, kbase, Lk * Dm, K);
+    ld<D>(v.data, kbase, Lk * Dm, V);
+    for (int64_t t = 0; t < 2 * Lk * Dm; ++t) dK[t] = 0;
+    for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+      for (int64_t i = 0; i < Lq; ++i) {
+        const int64_t row = (b * Hq + h) * Lq + i;
+        for (int64_t d = 0; d < Dm; ++d) dqv[d] = 0;
+        const float L = static_cast<const float*>(lse.data)[row];
+        int64_t nk = Lk;
+        if (c.ints[0]) {
+          nk = i + Lk - Lq + 1;
+          nk = nk < 0 ? 0 : (nk > Lk ? Lk : nk);
+        }
+        if (L != -__builtin_inff() && nk > 0) {
+          ld<D>(q.data, row * Dm, Dm, qv);
+          ld<D>(dout.data, row * Dm, Dm, dov);
+          ld<D>(o.data, row * Dm, Dm, ov);
+          const float Di = dot_short(dov, ov, Dm);
+          for (int64_t j = 0; j < nk; ++j) {
+            const float* kj = K + j * Dm;
+            const float p = exp_f32(scale * dot_short(qv, kj, Dm) - L);
+            const float dp = dot_short(dov, V + j * Dm, Dm);
+            const float ds = p * (dp - Di) * scale;
+            float* dvj = dV + j * Dm;
+            float* dkj = dK + j * Dm;
+            for (int64_t d = 0; d < Dm; ++d) {
+              dvj[d] += p * dov[d];
+              dqv[d] += ds * kj[d];
+              dkj[d] += ds * qv[d];
+            }
+          }
+        }
+        st<D>(dqv, dq.data, row * Dm, Dm);
+      }
+    }
+    st<D>(dK, dk.data, kbase, Lk * Dm);
+    st<D>(dV, dv.data, kbase, Lk * Dm);
+  }
+  return 0;
+}
+
+// ---- cross-entropy: items are rows ----------------------------------------
+
+template <DType D>
+int cross_entropy_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
+  const to_tensor &lg = c.inputs[0], &tg = c.inputs[1], &loss = c.outputs[0], &dl = c.outputs[1];
+  const int64_t C = lg.shape[1];
+  const int64_t ignore = c.ints[0];
+  const bool grad = c.ints[1];
+  const float gscale = float(c.scalars[0]);
+  float* v = scratch;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t t = index_at(tg, r * tg.strides[0]);
+    float* lrow = static_cast<float*>(loss.data) + r;
+    if (t == ignore) {
+      *lrow = 0;
+      if (grad) {
+        for (int64_t j = 0; j < C; ++j) v[j] = 0;
+        st<D>(v, dl.data, r * dl.strides[0], C);
+      }
+      continue;
+    }
+    if (t < 0 || t >= C) return 2;
+    ld<D>(lg.data, r * lg.strides[0], C, v);
+    float m = v[0];
+    for (int64_t j = 1; j < C; ++j) m = v[j] > m ? v[j] : m;
+    const float xt = v[t];
+    for (int64_t j = 0; j < C; ++j) v[j] = exp_f32(v[j] - m);
+    const double sum = sum_f(v, C);
+    *lrow = float(double(m) + __builtin_log(sum) - double(xt));
+    if (grad) {
+      const float inv = float(1.0 / sum);
+      for (int64_t j = 0; j < C; ++j) v[j] *= inv * gscale;
+      v[t] -= gscale;
+      st<D>(v, dl.data, r * dl.strides[0], C);
+    }
+  }
+  return 0;
+}
+
+#define TENSOR_OPS_DTYPE_DISPATCH(fn)                                                \
+  int fn(const to_op_call& c, int64_t i0, int64_t i1, float* s) {                  \
+    switch (DType(c.inputs[0].dtype)) {                                             \
+      case DType::Float16: return fn##_k<DType::Float16>(c, i0, i1, s);            \
+      case DType::BFloat16: return fn##_k<DType::BFloat16>(c, i0, i1, s);          \
+      default: return fn##_k<DType::Float32>(c, i0, i1, s);                        \
+    }                                                                               \
+  }
+
+TENSOR_OPS_DTYPE_DISPATCH(layer_norm)
+TENSOR_OPS_DTYPE_DISPATCH(add_rms_norm)
+TENSOR_OPS_DTYPE_DISPATCH(softmax)
+TENSOR_OPS_DTYPE_DISPATCH(softmax_backward)
+TENSOR_OPS_DTYPE_DISPATCH(activation_backward)
+TENSOR_OPS_DTYPE_DISPATCH(glu)
+TENSOR_OPS_DTYPE_DISPATCH(glu_backward)
+TENSOR_OPS_DTYPE_DISPATCH(rope)
+TENSOR_OPS_DTYPE_DISPATCH(attention)
+TENSOR_OPS_DTYPE_DISPATCH(attention_backward)
+TENSOR_OPS_DTYPE_DISPATCH(cross_entropy)
+
+template <DType D>
+int rms_norm_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float* s) {
+  return norm_backward_k<D, false>(c, i0, i1, s);
+}
+template <DType D>
+int layer_norm_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float* s) {
+  return norm_backward_k<D, true>(c, i0, i1, s);
+}
+TENSOR_OPS_DTYPE_DISPATCH(rms_norm_backward)
+TENSOR_OPS_DTYPE_DISPATCH(layer_norm_backward)
+
+// Partial sums (dweight) back to the weight's dtype.
+void from_float(DType dt, const float* src, void* dst, int64_t n) {
+  switch (dt) {
+    case DType::Float16: st<DType::Float16>(src, dst, 0, n); break;
+    case DType::BFloat16: st<DType::BFloat16>(src, dst, 0, n); break;
+    default: st<DType::Float32>(src, dst, 0, n); break;
+  }
+}

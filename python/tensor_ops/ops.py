@@ -1,0 +1,289 @@
+"""The op API beyond the first three: norms, softmax, gated units, RoPE,
+attention and cross-entropy, forward and backward. Inputs: numpy arrays,
+torch tensors, DLPack producers or tensor_ops.Tensor; outputs come back in
+the caller's kind of array, on the caller's device."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _C
+from ._arrays import Arg, empty_like, run
+
+
+def _eps(eps) -> float:
+    if isinstance(eps, (str, bytes)) or not hasattr(eps, "__float__"):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+    return float(eps)
+
+
+def _approx(approximate) -> str:
+    if not isinstance(approximate, str):
+        raise TypeError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    return approximate
+
+
+def layer_norm(x, weight, bias=None, eps: float = 1e-5, *, out=None):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim."""
+    a, w = Arg(x, "x"), Arg(weight, "weight")
+    b = None if bias is None else Arg(bias, "bias")
+    out = empty_like(a) if out is None else out
+    run(_C.layer_norm, [a, w, b], [out], _eps(eps))
+    return out
+
+
+def add_rms_norm(x, residual, weight, eps: float = 1e-6):
+    """Fused residual add + RMSNorm in one pass: returns
+    (rms_norm(x + residual, weight), x + residual)."""
+    a, r, w = Arg(x, "x"), Arg(residual, "residual"), Arg(weight, "weight")
+    out, res_out = empty_like(a), empty_like(a)
+    run(_C.add_rms_norm, [a, r, w], [out, res_out], _eps(eps))
+    return out, res_out
+
+
+def rms_norm_backward(dy, x, weight, eps: float = 1e-6):
+    """Gradients of rms_norm: (dx, dweight)."""
+    g, a, w = Arg(dy, "dy"), Arg(x, "x"), Arg(weight, "weight")
+    dx, dw = empty_like(a), empty_like(w)
+    run(_C.rms_norm_backward, [g, a, w], [dx, dw], _eps(eps))
+    return dx, dw
+
+
+def layer_norm_backward(dy, x, weight, eps: float = 1e-5, *, bias: bool = True):
+    """Gradients of layer_norm: (dx, dweight, dbias) (dbias None without bias)."""
+    g, a, w = Arg(dy, "dy"), Arg(x, "x"), Arg(weight, "weight")
+    dx, dw = empty_like(a), empty_like(w)
+    db = empty_like(w) if bias else None
+    run(_C.layer_norm_backward, [g, a, w], [dx, dw, db], _eps(eps))
+    return dx, dw, db
+
+
+def _moved(x, dim):
+    """x with `dim` moved last, and the function that moves it back."""
+    ndim = len(x.shape)
+    if ndim == 0:
+        raise ValueError("softmax needs at least 1 dimension, got a 0-d array")
+    if not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ValueError(f"dim {dim!r} is out of range for an array of shape {tuple(x.shape)}")
+    dim %= ndim
+    if dim == ndim - 1:
+        return x, lambda y: y
+    if isinstance(x, np.ndarray):
+        return np.moveaxis(x, dim, -1), lambda y: np.moveaxis(y, -1, dim)
+    if hasattr(x, "movedim"):
+        return x.movedim(dim, -1), lambda y: y.movedim(-1, dim)
+    raise ValueError("dim != -1 needs a numpy array or torch tensor")
+
+
+def _softmax(x, dim, scale, causal, log):
+    if causal and dim not in (-1, len(getattr(x, "shape", ())) - 1):
+        raise ValueError("causal softmax works on the last dim only")
+    xm, back = _moved(x, dim)
+    a = Arg(xm, "x")
+    out = empty_like(a)
+    run(_C.softmax, [a], [out], float(scale), bool(causal), log)
+    return back(out)
+
+
+def softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
+    """softmax(scale * x) along dim, numerically stable. causal masks
+    [..., i, j] for j > i + (cols - rows) (bottom-right aligned)."""
+    return _softmax(x, dim, scale, causal, False)
+
+
+def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
+    return _softmax(x, dim, scale, causal, True)
+
+
+def _softmax_bwd(dy, y, dim, scale, log):
+    dym, _ = _moved(dy, dim)
+    ym, back = _moved(y, dim)
+    g, a = Arg(dym, "dy"), Arg(ym, "y")
+    dx = empty_like(a)
+    run(_C.softmax_backward, [g, a], [dx], float(scale), log)
+    return back(dx)
+
+
+def softmax_backward(dy, y, dim: int = -1, scale: float = 1.0):
+    """Gradient of y = softmax(scale * x) given y."""
+    return _softmax_bwd(dy, y, dim, scale, False)
+
+
+def log_softmax_backward(dy, y, dim: int = -1, scale: float = 1.0):
+    return _softmax_bwd(dy, y, dim, scale, True)
+
+
+def _act_bwd(dy, x, act, approximate):
+    g, a = Arg(dy, "dy"), Arg(x, "x")
+    dx = empty_like(a)
+    run(_C.activation_backward, [g, a], [dx], act, _approx(approximate))
+    return dx
+
+
+def silu_backward(dy, x):
+    """d silu(x) * dy."""
+    return _act_bwd(dy, x, "silu", "none")
+
+
+def gelu_backward(dy, x, approximate: str = "none"):
+    return _act_bwd(dy, x, "gelu", approximate)
+
+
+def _glu(gate, up, act, approximate, out):
+    g, u = Arg(gate, "gate"), Arg(up, "up")
+    out = empty_like(g) if out is None else out
+    run(_C.glu, [g, u], [out], act, _approx(approximate))
+    return out
+
+
+def swiglu(gate, up, *, out=None):
+    """silu(gate) * up in one pass."""
+    return _glu(gate, up, "silu", "none", out)
+
+
+def geglu(gate, up, approximate: str = "none", *, out=None):
+    """gelu(gate) * up in one pass."""
+    return _glu(gate, up, "gelu", approximate, out)
+
+
+def _glu_bwd(dy, gate, up, act, approximate):
+    d, g, u = Arg(dy, "dy"), Arg(gate, "gate"), Arg(up, "up")
+    dg, du = empty_like(g), empty_like(g)
+    run(_C.glu_backward, [d, g, u], [dg, du], act, _approx(approximate))
+    return dg, du
+
+
+def swiglu_backward(dy, gate, up):
+    """(dgate, dup) of swiglu."""
+    return _glu_bwd(dy, gate, up, "silu", "none")
+
+
+def geglu_backward(dy, gate, up, approximate: str = "none"):
+    return _glu_bwd(dy, gate, up, "gelu", approximate)
+
+
+def _positions_for(x: Arg, positions, seq: int):
+    if positions is None:
+        pos = np.arange(seq, dtype=np.int64)[None, :]
+        if x.kind == "torch":
+            import torch
+
+            return Arg(torch.from_numpy(pos).to(x.array.device), "positions")
+        if x.kind == "tensor_ops":
+            return Arg(_C.from_host(pos, x.array.device), "positions")
+        return Arg(pos, "positions")
+    p = Arg(positions, "positions")
+    shape = tuple(p.array.shape)
+    if len(shape) == 1:
+        p = Arg(positions[None, :] if p.kind != "tensor_ops" else positions, "positions")
+    return p
+
+
+def _cast_table(t, x: Arg, name: str):
+    a = Arg(t, name)
+    if a.kind == "torch" and x.kind == "torch" and a.array.dtype != x.array.dtype:
+        return Arg(a.array.to(x.array.dtype), name)
+    if a.kind == "numpy" and x.kind == "numpy" and a.original.dtype != x.original.dtype:
+        return Arg(a.original.astype(x.original.dtype), name)
+    return a
+
+
+def _rope(x, cos, sin, positions, interleaved, inverse):
+    a = Arg(x, "x")
+    shape = tuple(a.array.shape)
+    if len(shape) != 4:
+        raise ValueError(f"rope: x must be [batch, seq, heads, head_dim], got shape {shape}")
+    c, s = _cast_table(cos, a, "cos"), _cast_table(sin, a, "sin")
+    p = _positions_for(a, positions, shape[1])
+    out = empty_like(a)
+    run(_C.rope, [a, c, s, p], [out], bool(interleaved), inverse)
+    return out
+
+
+def rope(x, cos, sin, positions=None, interleaved: bool = False):
+    """Rotary embedding of x [batch, seq, heads, head_dim] with cos/sin tables
+    [max_position, rotary_dim / 2]; positions [seq] or [batch, seq] (default
+    0..seq-1). interleaved=False: GPT-NeoX (rotate halves); True: GPT-J
+    (rotate pairs). Dims past rotary_dim pass through."""
+    return _rope(x, cos, sin, positions, interleaved, False)
+
+
+def rope_backward(dy, cos, sin, positions=None, interleaved: bool = False):
+    """The gradient of rope: rotation by the opposite angle."""
+    return _rope(dy, cos, sin, positions, interleaved, True)
+
+
+def _scale(scale, head_dim):
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def attention(q, k, v, causal: bool = False, scale: float | None = None, *, return_lse: bool = False):
+    """softmax(scale * q k^T) v, memory-efficient (online softmax), layout
+    [batch, heads, seq, head_dim]; k/v may have fewer heads (grouped-query:
+    kv heads divide q heads). causal is bottom-right aligned. With
+    return_lse, also the float32 log-sum-exp [batch, heads, seq] the backward
+    needs."""
+    aq, ak, av = Arg(q, "q"), Arg(k, "k"), Arg(v, "v")
+    shape = tuple(aq.array.shape)
+    if len(shape) != 4:
+        raise ValueError(f"attention: q must be [batch, heads, seq, head_dim], got shape {shape}")
+    out = empty_like(aq)
+    lse = empty_like(aq, shape[:3], "float32")
+    run(_C.attention, [aq, ak, av], [out, lse], bool(causal), _scale(scale, shape[3]))
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None):
+    """(dq, dk, dv) of attention, given its out and lse."""
+    ad, aq, ak, av, ao, al = (Arg(t, n) for t, n in
+                              [(dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse")])
+    dq, dk, dv = empty_like(aq), empty_like(ak), empty_like(av)
+    run(_C.attention_backward, [ad, aq, ak, av, ao, al], [dq, dk, dv], bool(causal),
+        _scale(scale, tuple(aq.array.shape)[3]))
+    return dq, dk, dv
+
+
+def _host_values(arg: Arg):
+    a = arg.array
+    if arg.kind == "tensor_ops":
+        return a.numpy()
+    return a
+
+
+def _ce(logits, target, ignore_index, reduction, grad):
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    lg, tg = Arg(logits, "logits"), Arg(target, "target")
+    n_valid = int((_host_values(tg) != ignore_index).sum())
+    # The gradient of the reduced loss: mean divides by the rows that count.
+    scale = (1.0 / n_valid if n_valid else 0.0) if reduction == "mean" else 1.0
+    loss = empty_like(lg, tuple(lg.array.shape)[:1], "float32")
+    dlogits = empty_like(lg) if grad else None
+    run(_C.cross_entropy, [lg, tg], [loss, dlogits], int(ignore_index), float(scale))
+    if reduction == "none":
+        return loss, dlogits
+    total = (loss.numpy() if lg.kind == "tensor_ops" else loss).sum()
+    if reduction == "sum":
+        return total, dlogits
+    return (total / n_valid if n_valid else total * float("nan")), dlogits
+
+
+def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean"):
+    """Cross-entropy of logits [N, C] against class indices [N]
+    (ignore_index rows count for nothing)."""
+    return _ce(logits, target, ignore_index, reduction, False)[0]
+
+
+def cross_entropy_with_grad(logits, target, ignore_index: int = -100, reduction: str = "mean"):
+    """(loss, dlogits) in one pass: the gradient of the reduced loss is
+    written while the row is in cache (Liger's memory saving)."""
+    return _ce(logits, target, ignore_index, reduction, True)
+
+
+__all__ = [
+    "layer_norm", "add_rms_norm", "rms_norm_backward", "layer_norm_backward", "softmax", "log_softmax",
+    "softmax_backward", "log_softmax_backward", "silu_backward", "gelu_backward", "swiglu", "geglu",
+    "swiglu_backward", "geglu_backward", "rope", "rope_backward", "attention", "attention_backward",
+    "cross_entropy", "cross_entropy_with_grad",
+]
