@@ -57,7 +57,7 @@ Tensor to_tensor(const nb::ndarray<nb::ro>& a, const char* arg, bool as_bfloat16
     dt = DType::Int64;
   else
     throw DTypeError(std::string(arg) + " has dtype " + dl_dtype_name(d) +
-                     "; tensor_ops ops take float32, float16 or bfloat16");
+                     "; tensor_ops ops take float32, float16 or bfloat16 data (int32 or int64 for indices)");
   std::vector<int64_t> shape(a.ndim()), strides(a.ndim());
   for (size_t i = 0; i < a.ndim(); ++i) {
     shape[i] = a.shape(i);
