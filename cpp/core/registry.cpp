@@ -159,6 +159,7 @@ void Registry::load_plugins_from(const std::string& dir) {
                    missing_.end());
     add(std::make_unique<Backend>(table, path, handle));
   }
+  generation_.fetch_add(1, std::memory_order_acq_rel);
 }
 
 Backend* Registry::find(const std::string& name) const {
@@ -235,10 +236,28 @@ Backend& Registry::active() const {
   const bool auto_scope = !scope_stack.empty() && scope_stack.back() == "auto";
   if (!scope_stack.empty() && !auto_scope) return require(scope_stack.back());
   if (!auto_scope) {
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    if (!selected_.empty()) return require(selected_);
+    if (Backend* b = selected_backend_.load(std::memory_order_acquire)) return *b;
   }
-  std::string forced = env_str("TENSOR_OPS_BACKEND");
+  // The automatic choice depends only on two environment variables: cached
+  // per thread against their current values (an op call pays two getenv).
+  const char* forced = std::getenv("TENSOR_OPS_BACKEND");
+  const char* order = std::getenv("TENSOR_OPS_PRIORITY");
+  thread_local std::string cached_forced, cached_order;
+  thread_local Backend* cached = nullptr;
+  thread_local uint64_t cached_generation = 0;
+  const uint64_t gen = generation_.load(std::memory_order_acquire);
+  if (cached && cached_generation == gen && cached_forced == (forced ? forced : "") &&
+      cached_order == (order ? order : ""))
+    return *cached;
+  Backend& b = resolve_auto(forced ? forced : "", order ? order : "");
+  cached_forced = forced ? forced : "";
+  cached_order = order ? order : "";
+  cached = &b;
+  cached_generation = gen;
+  return b;
+}
+
+Backend& Registry::resolve_auto(const std::string& forced, const std::string& order_env) const {
   if (!forced.empty() && forced != "auto") {
     try {
       return require(forced);
@@ -248,7 +267,7 @@ Backend& Registry::active() const {
       throw BackendUnavailable(std::string("TENSOR_OPS_BACKEND: ") + e.what());
     }
   }
-  const std::vector<std::string> order = split_list(env_str("TENSOR_OPS_PRIORITY"));
+  const std::vector<std::string> order = split_list(order_env);
   if (!order.empty()) {
     const std::vector<std::string> known = known_names();
     // A typo anywhere in the list is an error, not a silent skip.
@@ -267,9 +286,11 @@ Backend& Registry::active() const {
 }
 
 void Registry::set_backend(const std::string& name) {
-  if (!name.empty() && name != "auto") require(name);
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  selected_ = name == "auto" ? "" : name;
+  if (name.empty() || name == "auto") {
+    selected_backend_.store(nullptr, std::memory_order_release);
+    return;
+  }
+  selected_backend_.store(&require(name), std::memory_order_release);
 }
 
 std::string Registry::selected_name() const { return active().name(); }

@@ -1,6 +1,7 @@
 #pragma once
 // The backend registry: the built-in CPU backend plus every plugin found
 // beside the core library (libtensor_ops_<name>.so), and backend selection.
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,10 +80,12 @@ class Registry {
   Registry();
   void add(std::unique_ptr<Backend> backend);
   std::vector<Backend*> by_priority() const;
+  Backend& resolve_auto(const std::string& forced, const std::string& order) const;
 
   std::vector<std::unique_ptr<Backend>> backends_;
   std::vector<BackendStatus> missing_;  // known names with no plugin
-  std::string selected_;                // set_backend(); "" = auto
+  std::atomic<Backend*> selected_backend_{nullptr};  // set_backend(); nullptr = auto
+  std::atomic<uint64_t> generation_{1};              // bumped when plugins load
 };
 
 // Directory holding libtensor_ops.so (plugins are looked up there).
