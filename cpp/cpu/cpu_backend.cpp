@@ -9,6 +9,10 @@
 #include <fstream>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "isa.h"
 #include "tensor_ops/errors.h"
 #include "tensor_ops/ops.h"
@@ -89,6 +93,21 @@ std::atomic<const IsaKernels*>& level() {
 thread_local std::string last_error_text;
 constexpr int64_t kKeyBlockScratch = 64;  // attention scores per key block (kernels_llm.h)
 
+void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
+// Outputs past half the last-level cache are written with streaming stores.
+bool streaming(int64_t out_bytes) {
+  static const int64_t threshold = [] {
+    const char* env = std::getenv("TENSOR_OPS_STREAM_BYTES");
+    return env ? std::atoll(env) : int64_t(16) << 20;
+  }();
+  return threshold > 0 && out_bytes >= threshold;
+}
+
 // Work per task: about 64 KiB of data, so small calls stay on one thread.
 int64_t grain_for(int64_t bytes_per_item) { return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, bytes_per_item)); }
 
@@ -102,8 +121,9 @@ to_status run_rms_norm(const to_op_call* c) {
   k->to_float(dt_of(w), w.data, wf.data(), cols);
   const float eps = float(c->scalars[0]);
   const int64_t item = int64_t(dtype_size(dt_of(x)));
+  const bool nt = streaming(rows * cols * item);
   ThreadPool::instance().parallel_for(rows, grain_for(cols * item * 2), [&](int64_t r0, int64_t r1) {
-    k->rms_norm(dt_of(x), x.data, x.strides[0], wf.data(), y.data, y.strides[0], r0, r1, cols, eps);
+    k->rms_norm(dt_of(x), x.data, x.strides[0], wf.data(), y.data, y.strides[0], r0, r1, cols, eps, nt);
   });
   return TO_OK;
 }
@@ -133,17 +153,21 @@ to_status run_unary(const to_op_call* c, F span_fn) {
   return TO_OK;
 }
 
+int64_t out_bytes(const to_tensor& t) { return t.shape[0] * t.shape[1] * int64_t(dtype_size(dt_of(t))); }
+
 to_status run_silu(const to_op_call* c) {
   const IsaKernels* k = level().load();
   const DType dt = dt_of(c->inputs[0]);
-  return run_unary(c, [&](const void* x, void* y, int64_t n) { k->silu(dt, x, y, n); });
+  const bool nt = streaming(out_bytes(c->outputs[0]));
+  return run_unary(c, [&](const void* x, void* y, int64_t n) { k->silu(dt, x, y, n, nt); });
 }
 
 to_status run_gelu(const to_op_call* c) {
   const IsaKernels* k = level().load();
   const DType dt = dt_of(c->inputs[0]);
   const int64_t mode = c->ints[0];
-  return run_unary(c, [&](const void* x, void* y, int64_t n) { k->gelu(dt, x, y, n, mode); });
+  const bool nt = streaming(out_bytes(c->outputs[0]));
+  return run_unary(c, [&](const void* x, void* y, int64_t n) { k->gelu(dt, x, y, n, mode, nt); });
 }
 
 // How an op's work splits: items, bytes touched per item (for the grain), fp32
@@ -203,6 +227,11 @@ to_status run_items(const to_op_call* call) {
   to_op_call c = *call;
   const OpId op = OpId(c.op);
   if (op == OpId::activation_backward || op == OpId::glu || op == OpId::glu_backward) c.ints[3] = all_flat(&c);
+  // Streaming stores for the ops whose kernels honour ints[7] (put()).
+  const to_tensor& big = op == OpId::cross_entropy ? c.outputs[1] : c.outputs[0];
+  c.ints[7] = (op == OpId::add_rms_norm || op == OpId::softmax || op == OpId::glu ||
+               (op == OpId::cross_entropy && c.ints[1])) &&
+              big.data && streaming(big.shape[0] * big.shape[1] * int64_t(dtype_size(dt_of(big))));
   const IsaKernels* k = level().load();
   const Split sp = split_of(c);
   ThreadPool& pool = ThreadPool::instance();
@@ -216,6 +245,7 @@ to_status run_items(const to_op_call* call) {
       const int64_t i0 = sp.items * ci / chunks, i1 = sp.items * (ci + 1) / chunks;
       if (int r = k->ops[int(op)](c, i0, i1, scratch.data() + ci * sp.scratch)) bad = r;
     }
+    if (c.ints[7]) stream_fence();  // on the thread that issued the streaming stores
   });
   if (bad == 1) {
     last_error_text = "a position is outside the cos/sin tables [0, " + std::to_string(c.inputs[1].shape[0]) + ")";

@@ -12,11 +12,12 @@ namespace tensor_ops::cpu {
 struct IsaKernels {
   const char* name;
   // Rows [r0, r1) of x (row stride xs) into y (row stride ys); w is fp32.
+  // nt: write with non-temporal stores (outputs larger than the caches).
   void (*rms_norm)(DType dt, const void* x, int64_t xs, const float* w, void* y, int64_t ys, int64_t r0,
-                   int64_t r1, int64_t cols, float eps);
+                   int64_t r1, int64_t cols, float eps, bool nt);
   // Contiguous spans of n elements.
-  void (*silu)(DType dt, const void* x, void* y, int64_t n);
-  void (*gelu)(DType dt, const void* x, void* y, int64_t n, int64_t tanh_mode);
+  void (*silu)(DType dt, const void* x, void* y, int64_t n, bool nt);
+  void (*gelu)(DType dt, const void* x, void* y, int64_t n, int64_t tanh_mode, bool nt);
   void (*to_float)(DType dt, const void* src, float* dst, int64_t n);
   void (*from_float)(DType dt, const float* src, void* dst, int64_t n);
   // The other ops (kernels_llm.h): work items [i0, i1) of a validated call,

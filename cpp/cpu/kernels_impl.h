@@ -2,8 +2,9 @@
 // TENSOR_OPS_ISA_NS (the namespace) and TENSOR_OPS_ISA_NAME, and is built
 // with that level's compiler flags.
 #include <cstdint>
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#define TENSOR_OPS_HAVE_STREAM 1
 #endif
 
 #include "isa.h"
@@ -18,6 +19,29 @@ namespace {
 constexpr int64_t kBlock = 512;
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// Copies with non-temporal stores: for outputs larger than the caches, they
+// skip the read-for-ownership of every written line (a third of a
+// read+write kernel's traffic). Callers fence with stream_fence().
+inline void stream_copy(const void* src, void* dst, int64_t bytes) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+#ifdef TENSOR_OPS_HAVE_STREAM
+  while (bytes > 0 && (reinterpret_cast<uintptr_t>(d) & 15)) {
+    *d++ = *s++;
+    --bytes;
+  }
+  for (; bytes >= 16; bytes -= 16, d += 16, s += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+#endif
+  for (; bytes > 0; --bytes) *d++ = *s++;
+}
+
+inline void stream_fence() {
+#ifdef TENSOR_OPS_HAVE_STREAM
+  _mm_sfence();
+#endif
+}
 
 // Storage <-> fp32 for n contiguous elements.
 template <DType D>
@@ -73,9 +97,10 @@ inline float sum_squares(const float* v, int64_t n) {
 
 template <DType D>
 void rms_norm_t(const void* x, int64_t xs, const float* w, void* y, int64_t ys, int64_t r0, int64_t r1,
-                int64_t cols, float eps) {
+                int64_t cols, float eps, bool nt) {
   constexpr int64_t item = D == DType::Float32 ? 4 : 2;
   alignas(64) float buf[kBlock];
+  alignas(64) uint16_t half_buf[kBlock];
   for (int64_t r = r0; r < r1; ++r) {
     const char* xr = static_cast<const char*>(x) + r * xs * item;
     char* yr = static_cast<char*>(y) + r * ys * item;
@@ -97,31 +122,51 @@ void rms_norm_t(const void* x, int64_t xs, const float* w, void* y, int64_t ys, 
       const float* wc = w + c;
       if constexpr (D == DType::Float32) {
         const float* v = reinterpret_cast<const float*>(xr) + c;
-        float* o = reinterpret_cast<float*>(yr) + c;
+        float* o = nt ? buf : reinterpret_cast<float*>(yr) + c;
         for (int64_t i = 0; i < n; ++i) o[i] = v[i] * scale * wc[i];
+        if (nt) stream_copy(buf, yr + c * item, n * item);
       } else {
         load_f32<D>(xr + c * item, buf, n);
         for (int64_t i = 0; i < n; ++i) buf[i] = buf[i] * scale * wc[i];
-        store_f32<D>(buf, yr + c * item, n);
+        if (nt) {
+          store_f32<D>(buf, half_buf, n);
+          stream_copy(half_buf, yr + c * item, n * item);
+        } else {
+          store_f32<D>(buf, yr + c * item, n);
+        }
       }
     }
   }
 }
 
-// y = f(x) elementwise over a contiguous span.
+// y = f(x) elementwise over a contiguous span; nt: streaming stores.
 template <DType D, class F>
-inline void map_span(const void* x, void* y, int64_t n, F f) {
-  if constexpr (D == DType::Float32) {
+inline void map_span(const void* x, void* y, int64_t n, F f, bool nt) {
+  constexpr int64_t item = D == DType::Float32 ? 4 : 2;
+  if (D == DType::Float32 && !nt) {
     const float* xs = static_cast<const float*>(x);
     float* ys = static_cast<float*>(y);
     for (int64_t i = 0; i < n; ++i) ys[i] = f(xs[i]);
-  } else {
-    alignas(64) float buf[kBlock];
-    for (int64_t c = 0; c < n; c += kBlock) {
-      const int64_t m = min64(kBlock, n - c);
+    return;
+  }
+  alignas(64) float buf[kBlock];
+  alignas(64) uint16_t half_buf[kBlock];
+  for (int64_t c = 0; c < n; c += kBlock) {
+    const int64_t m = min64(kBlock, n - c);
+    char* dst = static_cast<char*>(y) + c * item;
+    if constexpr (D == DType::Float32) {
+      const float* xs = static_cast<const float*>(x) + c;
+      for (int64_t i = 0; i < m; ++i) buf[i] = f(xs[i]);
+      stream_copy(buf, dst, m * item);
+    } else {
       load_f32<D>(static_cast<const uint16_t*>(x) + c, buf, m);
       for (int64_t i = 0; i < m; ++i) buf[i] = f(buf[i]);
-      store_f32<D>(buf, static_cast<uint16_t*>(y) + c, m);
+      if (nt) {
+        store_f32<D>(buf, half_buf, m);
+        stream_copy(half_buf, dst, m * item);
+      } else {
+        store_f32<D>(buf, dst, m);
+      }
     }
   }
 }
@@ -137,32 +182,37 @@ struct GeluTanh {
 };
 
 template <class F>
-void map_dispatch(DType dt, const void* x, void* y, int64_t n, F f) {
+void map_dispatch(DType dt, const void* x, void* y, int64_t n, F f, bool nt) {
   switch (dt) {
-    case DType::Float32: map_span<DType::Float32>(x, y, n, f); break;
-    case DType::Float16: map_span<DType::Float16>(x, y, n, f); break;
-    case DType::BFloat16: map_span<DType::BFloat16>(x, y, n, f); break;
+    case DType::Float32: map_span<DType::Float32>(x, y, n, f, nt); break;
+    case DType::Float16: map_span<DType::Float16>(x, y, n, f, nt); break;
+    case DType::BFloat16: map_span<DType::BFloat16>(x, y, n, f, nt); break;
     default: break;
   }
 }
 
 void rms_norm(DType dt, const void* x, int64_t xs, const float* w, void* y, int64_t ys, int64_t r0, int64_t r1,
-              int64_t cols, float eps) {
+              int64_t cols, float eps, bool nt) {
   switch (dt) {
-    case DType::Float32: rms_norm_t<DType::Float32>(x, xs, w, y, ys, r0, r1, cols, eps); break;
-    case DType::Float16: rms_norm_t<DType::Float16>(x, xs, w, y, ys, r0, r1, cols, eps); break;
-    case DType::BFloat16: rms_norm_t<DType::BFloat16>(x, xs, w, y, ys, r0, r1, cols, eps); break;
+    case DType::Float32: rms_norm_t<DType::Float32>(x, xs, w, y, ys, r0, r1, cols, eps, nt); break;
+    case DType::Float16: rms_norm_t<DType::Float16>(x, xs, w, y, ys, r0, r1, cols, eps, nt); break;
+    case DType::BFloat16: rms_norm_t<DType::BFloat16>(x, xs, w, y, ys, r0, r1, cols, eps, nt); break;
     default: break;
   }
+  if (nt) stream_fence();
 }
 
-void silu(DType dt, const void* x, void* y, int64_t n) { map_dispatch(dt, x, y, n, Silu{}); }
+void silu(DType dt, const void* x, void* y, int64_t n, bool nt) {
+  map_dispatch(dt, x, y, n, Silu{}, nt);
+  if (nt) stream_fence();
+}
 
-void gelu(DType dt, const void* x, void* y, int64_t n, int64_t tanh_mode) {
+void gelu(DType dt, const void* x, void* y, int64_t n, int64_t tanh_mode, bool nt) {
   if (tanh_mode)
-    map_dispatch(dt, x, y, n, GeluTanh{});
+    map_dispatch(dt, x, y, n, GeluTanh{}, nt);
   else
-    map_dispatch(dt, x, y, n, GeluErf{});
+    map_dispatch(dt, x, y, n, GeluErf{}, nt);
+  if (nt) stream_fence();
 }
 
 void to_float(DType dt, const void* src, float* dst, int64_t n) {

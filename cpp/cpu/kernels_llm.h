@@ -26,6 +26,28 @@ inline void st(const float* src, void* base, int64_t off, int64_t n) {
   }
 }
 
+// st, with streaming stores when nt (outputs larger than the caches; the
+// dispatcher sets ints[7] and fences after the parallel region).
+template <DType D>
+inline void put(const float* src, void* base, int64_t off, int64_t n, bool nt) {
+  if (!nt) {
+    st<D>(src, base, off, n);
+    return;
+  }
+  constexpr int64_t item = D == DType::Float32 ? 4 : 2;
+  alignas(64) uint16_t tmp[kBlock];
+  for (int64_t c = 0; c < n; c += kBlock) {
+    const int64_t m = min64(kBlock, n - c);
+    char* dst = static_cast<char*>(base) + (off + c) * item;
+    if constexpr (D == DType::Float32) {
+      stream_copy(src + c, dst, m * item);
+    } else {
+      store_f32<D>(src + c, tmp, m);
+      stream_copy(tmp, dst, m * item);
+    }
+  }
+}
+
 inline double sum_f(const float* v, int64_t n) {
   double total = 0;
   for (int64_t c = 0; c < n; c += kBlock) {
@@ -139,15 +161,24 @@ int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) 
   float *a = scratch, *b = scratch + cols, *wf = scratch + 2 * cols;
   ld<D>(w.data, 0, cols, wf);
   const double eps = c.scalars[0];
+  const bool nt = c.ints[7];
   for (int64_t r = r0; r < r1; ++r) {
     ld<D>(x.data, r * x.strides[0], cols, a);
     ld<D>(res.data, r * res.strides[0], cols, b);
     for (int64_t i = 0; i < cols; ++i) a[i] += b[i];
-    st<D>(a, ro.data, r * ro.strides[0], cols);
-    if constexpr (D != DType::Float32) ld<D>(ro.data, r * ro.strides[0], cols, a);  // norm what was stored
+    if constexpr (D != DType::Float32) {
+      // Normalise the residual as stored: round it in place first.
+      alignas(64) uint16_t tmp[kBlock];
+      for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
+        const int64_t m = min64(kBlock, cols - c0);
+        store_f32<D>(a + c0, tmp, m);
+        load_f32<D>(tmp, a + c0, m);
+      }
+    }
+    put<D>(a, ro.data, r * ro.strides[0], cols, nt);
     const float scale = float(1.0 / __builtin_sqrt(dot_f(a, a, cols) / double(cols) + eps));
     for (int64_t i = 0; i < cols; ++i) a[i] = a[i] * scale * wf[i];
-    st<D>(a, y.data, r * y.strides[0], cols);
+    put<D>(a, y.data, r * y.strides[0], cols, nt);
   }
   return 0;
 }
@@ -193,7 +224,7 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
         for (int64_t j = valid; j < cols; ++j) v[j] = 0.0f;
       }
     }
-    st<D>(v, y.data, r * y.strides[0], cols);
+    put<D>(v, y.data, r * y.strides[0], cols, c.ints[7]);
   }
   return 0;
 }
@@ -286,7 +317,7 @@ int glu_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
       for (int64_t i = 0; i < n; ++i) gv[i] = gelu_erf_f32(gv[i]) * uv[i];
     else
       for (int64_t i = 0; i < n; ++i) gv[i] = gelu_tanh_f32(gv[i]) * uv[i];
-    st<D>(gv, c.outputs[0].data, oy, n);
+    put<D>(gv, c.outputs[0].data, oy, n, c.ints[7]);
   });
   return 0;
 }
@@ -503,7 +534,7 @@ int cross_entropy_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
       const float inv = float(1.0 / sum);
       for (int64_t j = 0; j < C; ++j) v[j] *= inv * gscale;
       v[t] -= gscale;
-      st<D>(v, dl.data, r * dl.strides[0], C);
+      put<D>(v, dl.data, r * dl.strides[0], C, c.ints[7]);
     }
   }
   return 0;

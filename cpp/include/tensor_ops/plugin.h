@@ -65,7 +65,7 @@ typedef struct to_op_call {
   to_tensor inputs[TENSOR_OPS_MAX_OP_TENSORS];
   to_tensor outputs[TENSOR_OPS_MAX_OP_TENSORS];
   double scalars[4];
-  int64_t ints[4];
+  int64_t ints[8];
   void* stream; /* backend stream handle or NULL for the default */
 } to_op_call;
 
