@@ -32,6 +32,11 @@ def references():
         "silu": lambda x, w: x / (1 + np.exp(-x)),
         "gelu": lambda x, w: 0.5 * x * (1 + _erf64(x / math.sqrt(2))),
         "gelu_tanh": lambda x, w: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+        "layer_norm": lambda x, w: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * w,
+        "softmax": lambda x, w: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(
+            -1, keepdims=True),
+        "swiglu": lambda x, w: x / (1 + np.exp(-x)) * w,
+        "add_rms_norm": lambda x, w: (2 * x / np.sqrt(np.mean(4 * x * x, -1, keepdims=True) + 1e-6)) * w,
     }
 
 
@@ -41,7 +46,18 @@ def ours():
         "silu": lambda x, w, out: tensor_ops.silu(x, out=out),
         "gelu": lambda x, w, out: tensor_ops.gelu(x, out=out),
         "gelu_tanh": lambda x, w, out: tensor_ops.gelu(x, "tanh", out=out),
+        "layer_norm": lambda x, w, out: tensor_ops.layer_norm(x, w, None, 1e-5, out=out),
+        "softmax": lambda x, w, out: tensor_ops.softmax(x),
+        "swiglu": lambda x, w, out: tensor_ops.swiglu(x, _broadcast(w, x), out=out),
+        "add_rms_norm": lambda x, w, out: tensor_ops.add_rms_norm(x, x, w)[0],
     }
+
+
+def _broadcast(w, x):
+    """w repeated to x's shape (the 'up' input of swiglu in the check)."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        return w.expand_as(x).contiguous()
+    return np.ascontiguousarray(np.broadcast_to(w, x.shape))
 
 
 def numpy_impls():
@@ -55,7 +71,11 @@ def numpy_impls():
         c = np.float32(math.sqrt(2 / math.pi))
         np.multiply(0.5 * x, 1 + np.tanh(c * (x + np.float32(0.044715) * x * x * x)), out=out)
 
-    return {"rms_norm": rms, "silu": silu, "gelu_tanh": gelu_tanh}
+    def softmax(x, w, out):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        np.divide(e, e.sum(-1, keepdims=True), out=out)
+
+    return {"rms_norm": rms, "silu": silu, "gelu_tanh": gelu_tanh, "softmax": softmax}
 
 
 def torch_impls():
@@ -65,6 +85,8 @@ def torch_impls():
         "silu": lambda x, w, out: torch.ops.aten.silu.out(x, out=out),
         "gelu": lambda x, w, out: torch.ops.aten.gelu.out(x, out=out),
         "gelu_tanh": lambda x, w, out: torch.ops.aten.gelu.out(x, approximate="tanh", out=out),
+        "layer_norm": lambda x, w, out: out.copy_(F.layer_norm(x, (x.shape[-1],), w, None, 1e-5)),
+        "softmax": lambda x, w, out: torch.softmax(x, -1, out=out),
     }
 
 
