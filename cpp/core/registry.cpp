@@ -95,7 +95,10 @@ Registry::Registry() {
   load_plugins_from(core_library_dir());
   for (const std::string& dir : split_list(env_str("TENSOR_OPS_PLUGIN_PATH"), ':')) load_plugins_from(dir);
   for (const BuildInfo& b : build_backends()) {
-    if (find(b.name)) continue;
+    // Loaded, or present but failed to load (missing_ already says why).
+    if (find(b.name) || std::any_of(missing_.begin(), missing_.end(),
+                                    [&](const BackendStatus& s) { return s.name == b.name; }))
+      continue;
     BackendStatus s;
     s.name = b.name;
     s.compiled = false;

@@ -6,6 +6,11 @@ import zlib
 import numpy as np
 import pytest
 
+# The CPU conformance tests must exercise the CPU kernels even where a GPU
+# backend would win the automatic choice; device tests select theirs with
+# tensor_ops.use(...).
+os.environ.setdefault("TENSOR_OPS_BACKEND", "cpu")
+
 try:
     import ml_dtypes
 except ImportError:  # bfloat16 numpy arrays need ml_dtypes

@@ -11,7 +11,7 @@ import tensor_ops
 
 
 def run_py(code, **env):
-    e = dict(os.environ)
+    e = {k: v for k, v in os.environ.items() if k != "TENSOR_OPS_BACKEND"}
     e.update(env)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
 
