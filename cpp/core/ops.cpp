@@ -229,6 +229,21 @@ void check_vector(const char* op, const char* arg, const Tensor& w, const Tensor
                           "] to match x " + x.describe() + ", got " + w.describe());
 }
 
+void check_activation(const char* op, Activation act) {
+  if (act != Activation::Silu && act != Activation::Gelu && act != Activation::GeluTanh)
+    throw InvalidArgument(std::string(op) + ": activation " + std::to_string(int64_t(act)) +
+                          " is not silu (0), gelu (1) or gelu_tanh (2)");
+}
+
+// A float32 output whatever the data dtype (lse, loss).
+void check_float32_out(const char* op, const char* arg, const Tensor& t, const std::vector<int64_t>& shape) {
+  if (t.dtype() != DType::Float32)
+    throw DTypeError(std::string(op) + ": " + arg + " must be float32, got " + t.describe());
+  if (t.shape() != shape)
+    throw InvalidArgument(std::string(op) + ": " + arg + " must be float32 " + shape_str(shape) + ", got " +
+                          t.describe());
+}
+
 void check_rank(const char* op, const Tensor& x, int64_t min_rank) {
   if (x.ndim() < min_rank)
     throw InvalidArgument(std::string(op) + ": x must have at least " + std::to_string(min_rank) +
@@ -426,6 +441,7 @@ void softmax_backward(const Tensor& dy, const Tensor& y, const Tensor& dx, doubl
 void activation_backward(const Tensor& dy, const Tensor& x, const Tensor& dx, Activation act) {
   const char* op = "activation_backward";
   check_float(op, "x", x);
+  check_activation(op, act);
   check_like(op, "dy", dy, x);
   check_like(op, "dx", dx, x);
   check_outputs(op, {&dx}, {&x});
@@ -439,6 +455,7 @@ void activation_backward(const Tensor& dy, const Tensor& x, const Tensor& dx, Ac
 void glu(const Tensor& gate, const Tensor& up, const Tensor& out, Activation act) {
   const char* op = "glu";
   check_float(op, "gate", gate);
+  check_activation(op, act);
   check_like(op, "up", up, gate);
   check_out(op, out, gate, {});
   if (!same_view(out, up) && overlaps(out, up)) throw InvalidArgument("glu: out partially overlaps up");
@@ -452,6 +469,7 @@ void glu_backward(const Tensor& dy, const Tensor& gate, const Tensor& up, const 
                   Activation act) {
   const char* op = "glu_backward";
   check_float(op, "gate", gate);
+  check_activation(op, act);
   check_like(op, "up", up, gate);
   check_like(op, "dy", dy, gate);
   check_like(op, "dgate", dgate, gate);
@@ -520,9 +538,7 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
   check_attention_shapes(op, q, k, v);
   check_scale(op, scale);
   check_out(op, out, q, {&k, &v});
-  const std::vector<int64_t> lse_shape(q.shape().begin(), q.shape().end() - 1);
-  if (lse.dtype() != DType::Float32 || lse.shape() != lse_shape)
-    throw InvalidArgument("attention: lse must be float32 " + shape_str(lse_shape) + ", got " + lse.describe());
+  check_float32_out(op, "lse", lse, std::vector<int64_t>(q.shape().begin(), q.shape().end() - 1));
   check_same_device(op, "lse", lse, q);
   check_outputs(op, {&out, &lse}, {&q, &k, &v});
   if (q.numel() == 0) return;
@@ -543,10 +559,8 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   check_like(op, "dq", dq, q);
   check_like(op, "dk", dk, k);
   check_like(op, "dv", dv, v);
-  const std::vector<int64_t> lse_shape(q.shape().begin(), q.shape().end() - 1);
-  if (lse.dtype() != DType::Float32 || lse.shape() != lse_shape)
-    throw InvalidArgument("attention_backward: lse must be float32 " + shape_str(lse_shape) + ", got " +
-                          lse.describe());
+  check_float32_out(op, "lse", lse, std::vector<int64_t>(q.shape().begin(), q.shape().end() - 1));
+  check_same_device(op, "lse", lse, q);
   check_outputs(op, {&dq, &dk, &dv}, {&dout, &q, &k, &v, &out, &lse});
   if (q.numel() == 0 && k.numel() == 0) return;
   to_op_call call{};
@@ -566,9 +580,7 @@ void cross_entropy(const Tensor& logits, const Tensor& target, const Tensor& los
     throw InvalidArgument("cross_entropy: target must be [" + std::to_string(logits.shape()[0]) + "], got " +
                           target.describe());
   check_same_device(op, "target", target, logits);
-  if (loss.dtype() != DType::Float32 || loss.shape() != target.shape())
-    throw InvalidArgument("cross_entropy: loss must be float32 " + shape_str(target.shape()) + ", got " +
-                          loss.describe());
+  check_float32_out(op, "loss", loss, target.shape());
   check_same_device(op, "loss", loss, logits);
   if (dlogits) check_like(op, "dlogits", *dlogits, logits);
   check_scale(op, grad_scale);

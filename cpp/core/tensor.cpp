@@ -47,8 +47,9 @@ Tensor::Tensor(void* data, DType dtype, std::vector<int64_t> shape, std::vector<
     for (size_t i = 0; i < shape_.size(); ++i) {
       if (shape_[i] == 0) continue;
       int64_t term;
-      const int64_t st = strides_[i] < 0 ? -strides_[i] : strides_[i];
-      if (strides_[i] == std::numeric_limits<int64_t>::min() || __builtin_mul_overflow(st, shape_[i] - 1, &term) ||
+      const bool min_stride = strides_[i] == std::numeric_limits<int64_t>::min();  // has no magnitude in int64
+      const int64_t st = min_stride ? 0 : strides_[i] < 0 ? -strides_[i] : strides_[i];
+      if (min_stride || __builtin_mul_overflow(st, shape_[i] - 1, &term) ||
           __builtin_add_overflow(extent, term, &extent) || extent > limit)
         throw InvalidArgument("strides " + shape_str(strides_) + " with shape " + shape_str(shape_) +
                               " overflow the addressable size");
@@ -64,6 +65,7 @@ int64_t Tensor::numel() const {
 }
 
 bool Tensor::is_contiguous() const {
+  if (numel() == 0) return true;  // no elements: any strides describe them (the default ones count 0-size dims as 1)
   int64_t s = 1;
   for (size_t i = shape_.size(); i-- > 0;) {
     if (shape_[i] != 1 && strides_[i] != s) return false;

@@ -255,24 +255,39 @@ int softmax_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scrat
 
 inline float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
 
-inline float act_f32(int64_t a, float x) {
-  return a == 0 ? silu_f32(x) : (a == 1 ? gelu_erf_f32(x) : gelu_tanh_f32(x));
+// The activation is a template argument so the per-element loops carry no
+// branch and vectorise.
+template <int A>
+inline float act_f32(float x) {
+  return A == 0 ? silu_f32(x) : (A == 1 ? gelu_erf_f32(x) : gelu_tanh_f32(x));
 }
 
 // d act / dx
-inline float act_grad_f32(int64_t a, float x) {
-  if (a == 0) {
+template <int A>
+inline float act_grad_f32(float x) {
+  if constexpr (A == 0) {
     const float s = sigmoid_f32(x);
     return s * (1.0f + x * (1.0f - s));
-  }
-  if (a == 1) {
+  } else if constexpr (A == 1) {
     const float cdf = 0.5f * erfc_f32(x * -0.70710678118654752f);
     return cdf + x * 0.39894228040143268f * exp_f32(-0.5f * x * x);
+  } else {
+    const float k = 0.79788456080286536f;
+    const float u = k * (x + 0.044715f * x * x * x);
+    const float s = sigmoid_f32(2.0f * u);
+    return s + x * s * (1.0f - s) * 2.0f * k * (1.0f + 3.0f * 0.044715f * x * x);
   }
-  const float k = 0.79788456080286536f;
-  const float u = k * (x + 0.044715f * x * x * x);
-  const float s = sigmoid_f32(2.0f * u);
-  return s + x * s * (1.0f - s) * 2.0f * k * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+// f<A>() for the activation id a (0 silu, 1 gelu, 2 gelu tanh).
+template <class F>
+inline void with_activation(int64_t a, F f) {
+  if (a == 0)
+    f(std::integral_constant<int, 0>{});
+  else if (a == 1)
+    f(std::integral_constant<int, 1>{});
+  else
+    f(std::integral_constant<int, 2>{});
 }
 
 // Elementwise kernels see the views as one flat span of rows * cols
@@ -298,7 +313,9 @@ int activation_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
   for_spans(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t n) {
     ld<D>(c.inputs[0].data, o0, n, g);
     ld<D>(c.inputs[1].data, o1, n, xv);
-    for (int64_t i = 0; i < n; ++i) g[i] *= act_grad_f32(a, xv[i]);
+    with_activation(a, [&](auto A) {
+      for (int64_t i = 0; i < n; ++i) g[i] *= act_grad_f32<decltype(A)::value>(xv[i]);
+    });
     st<D>(g, c.outputs[0].data, oy, n);
   });
   return 0;
@@ -332,11 +349,13 @@ int glu_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
     ld<D>(c.inputs[0].data, ody, n, g);
     ld<D>(c.inputs[1].data, og, n, gv);
     ld<D>(c.inputs[2].data, ou, n, uv);
-    for (int64_t i = 0; i < n; ++i) {
-      const float act = act_f32(a, gv[i]), d = act_grad_f32(a, gv[i]);
-      gv[i] = g[i] * uv[i] * d;
-      uv[i] = g[i] * act;
-    }
+    with_activation(a, [&](auto A) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float act = act_f32<decltype(A)::value>(gv[i]), d = act_grad_f32<decltype(A)::value>(gv[i]);
+        gv[i] = g[i] * uv[i] * d;
+        uv[i] = g[i] * act;
+      }
+    });
     st<D>(gv, c.outputs[0].data, odg, n);
     st<D>(uv, c.outputs[1].data, odu, n);
   };

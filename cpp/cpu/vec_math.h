@@ -9,11 +9,14 @@ inline uint32_t f32_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
 inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
 // e^x, ~1 ulp on [-87.3, 88.3] (Cephes expf); inputs outside are clamped,
-// NaN stays NaN.
+// NaN stays NaN. The integer exponent is read from the bits of the rounding
+// sum rather than by a float-to-int conversion (undefined for NaN), and the
+// whole body stays select-only so the calling loops vectorise.
 inline float exp_f32(float x) {
   float xc = clampf(x, -87.3f, 88.3f);
   xc = x != x ? x : xc;
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
+  const float n = t - 12582912.0f;
   float r = xc - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -23,8 +26,8 @@ inline float exp_f32(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t ni = int32_t(n);
-  return p * bits_to_f32(uint32_t(ni + 127) << 23);
+  const uint32_t ni = f32_to_bits(t) - 0x4B400000u;  // n, two's complement in the low bits
+  return p * bits_to_f32((ni + 127u) << 23);
 }
 
 inline float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
