@@ -1,0 +1,34 @@
+#pragma once
+// The kernels of one (device, dtype): the embedded program built with that
+// dtype's defines on first use, from the binary cache when it holds it.
+#include <CL/cl.h>
+
+#include <mutex>
+
+#include "devices.h"
+
+namespace tensor_ops::opencl {
+
+// Activations in the order of tensor_ops::Activation (ops.h).
+enum ActivationKernel { kSilu = 0, kGeluErf = 1, kGeluTanh = 2 };
+// Contiguous tensors take one flat range; strided rows a 2-D range.
+enum Layout { kFlat = 0, kRows = 1 };
+
+struct Program {
+  cl_program program = nullptr;
+  cl_kernel rms_norm = nullptr;
+  cl_kernel activation[3][2] = {};
+  // Work-group sizes the launches use (at most what each kernel allows).
+  size_t rms_norm_group = 1, activation_group = 1;
+  // clSetKernelArg on a shared kernel is not thread-safe: held from the
+  // first argument to the enqueue.
+  std::mutex launch_mutex;
+};
+
+// The program for dtype on d, built on first use; a build failure is
+// TO_ERR_DEVICE with the compiler's log in the last error.
+to_status program_for(ClDevice& d, to_dtype dtype, Program** out);
+// The options a dtype's program is built with (part of the cache key).
+std::string build_options(to_dtype dtype);
+
+}  // namespace tensor_ops::opencl

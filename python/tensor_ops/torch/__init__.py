@@ -1,0 +1,28 @@
+"""tensor_ops for torch: every op as torch.ops.tensor_ops.<name> (fake
+kernels for torch.compile, autograd through our backward kernels), drop-in
+modules, prepare_model / validate_model, and the backend factory API.
+
+Imported on demand only: `import tensor_ops` does not import torch."""
+from .custom_ops import OPS
+from .factory import Backend, BackendFactory, BackendType, detect_best_backend, get_backend, list_available_backends
+from .functional import (
+    add_rms_norm, attention, attention_backward, cross_entropy, cross_entropy_with_grad, geglu, geglu_backward,
+    gelu, gelu_backward, layer_norm, layer_norm_backward, log_softmax, log_softmax_backward, rms_norm,
+    rms_norm_backward, rope, rope_backward, silu, silu_backward, softmax, softmax_backward, swiglu, swiglu_backward,
+)
+from .modules import GELU, Attention, LayerNorm, RMSNorm, SiLU, SwiGLU
+from .prepare import (
+    OptimizationLevel, OptimizationResult, ValidationResult, prepare_model, validate_model,
+)
+from tensor_ops import BackendUnavailableError, DeviceInfo
+
+__all__ = [
+    "OPS", "Backend", "BackendFactory", "BackendType", "detect_best_backend", "get_backend",
+    "list_available_backends", "DeviceInfo", "BackendUnavailableError",
+    "add_rms_norm", "attention", "attention_backward", "cross_entropy", "cross_entropy_with_grad", "geglu",
+    "geglu_backward", "gelu", "gelu_backward", "layer_norm", "layer_norm_backward", "log_softmax",
+    "log_softmax_backward", "rms_norm", "rms_norm_backward", "rope", "rope_backward", "silu", "silu_backward",
+    "softmax", "softmax_backward", "swiglu", "swiglu_backward",
+    "GELU", "Attention", "LayerNorm", "RMSNorm", "SiLU", "SwiGLU",
+    "OptimizationLevel", "OptimizationResult", "ValidationResult", "prepare_model", "validate_model",
+]

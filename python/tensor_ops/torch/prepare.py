@@ -1,0 +1,321 @@
+"""prepare_model: a torch model onto a backend and its fused kernels, by
+optimization level, reporting everything it changed; validate_model: the
+prepared model against the original on each backend."""
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import enum
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import tensor_ops
+from tensor_ops import BackendUnavailableError
+
+from . import modules
+from .factory import Backend, BackendFactory, BackendType
+
+
+class OptimizationLevel(enum.IntEnum):
+    """O0: device placement only. O1: + fused modules for norms, activations
+    and gated MLPs. O2: + torch.compile. O3: + reduced precision (bfloat16
+    where the device has it, else float16)."""
+
+    O0 = 0
+    O1 = 1
+    O2 = 2
+    O3 = 3
+    NONE = 0
+    CONSERVATIVE = 1
+    BALANCED = 2
+    AGGRESSIVE = 3
+
+    @classmethod
+    def from_string(cls, value: Union[str, int, "OptimizationLevel"]) -> "OptimizationLevel":
+        """"O2", "o2", "2", "balanced" (any case), 2 or a member."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3:
+            return cls(value)
+        if isinstance(value, str):
+            key = value.strip().upper()
+            if key.isdigit():
+                key = "O" + key
+            if key in cls.__members__:
+                return cls.__members__[key]
+        names = ", ".join(f"{m.name} ({n.lower()})" for n, m in cls.__members__.items() if n != m.name)
+        raise ValueError(f"unknown optimization level {value!r}; valid: {names}, or 0-3")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass
+class OptimizationResult:
+    success: bool
+    level: OptimizationLevel
+    optimizations_applied: List[str]
+    warnings: List[str]
+    metrics: Dict[str, Any]
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["level"] = self.level.name
+        return d
+
+
+# HF's RMSNorm classes that compute weight * x / rms(x) (Gemma's 1 + weight does not).
+HF_RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"}
+# Activation modules by class name (HF's transformers.activations included).
+_ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "GELUTanh": "gelu_tanh",
+                "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh"}
+_MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+
+
+def _activation_of(act: nn.Module) -> Optional[str]:
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    if isinstance(act, nn.SiLU):
+        return "silu"
+    return _ACTIVATIONS.get(type(act).__name__)
+
+
+def _gated_mlp(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Module]:
+    """A SwiGLU over m's own Linear modules when m is an HF-style gated MLP."""
+    children = dict(m.named_children())
+    if not {"gate_proj", "up_proj", "down_proj"} <= set(children) or isinstance(m, modules.SwiGLU):
+        return None
+    why = None
+    g, u, d = children["gate_proj"], children["up_proj"], children["down_proj"]
+    act = _activation_of(children["act_fn"]) if "act_fn" in children else None
+    if set(children) != _MLP_CHILDREN:
+        why = f"children {sorted(children)} are not exactly {sorted(_MLP_CHILDREN)}"
+    elif not all(type(x) is nn.Linear for x in (g, u, d)):
+        why = "gate/up/down are not all nn.Linear"
+    elif not (g.in_features == u.in_features == d.out_features and g.out_features == u.out_features == d.in_features):
+        why = "the Linear shapes do not chain"
+    elif act is None:
+        why = f"act_fn {type(children['act_fn']).__name__} is not SiLU or GELU"
+    if why:
+        warnings.append(f"{path or 'the model'} ({type(m).__name__}) looks like a gated MLP but was left as is: {why}")
+        return None
+    return modules.SwiGLU.from_linears(g, u, d, act)
+
+
+def _hf_rms_norm(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Module]:
+    """An RMSNorm holding m's weight when m is one of HF's RMSNorm classes."""
+    if type(m).__name__ not in HF_RMS_NORMS:
+        return None
+    w, eps = getattr(m, "weight", None), getattr(m, "variance_epsilon", None)
+    if not isinstance(w, nn.Parameter) or w.dim() != 1 or not isinstance(eps, float):
+        warnings.append(f"{path or 'the model'} ({type(m).__name__}) was left as is: no 1-d weight Parameter "
+                        f"and float variance_epsilon")
+        return None
+    norm = modules.RMSNorm(w.shape[0], eps=eps, device="meta")
+    norm.weight = w
+    return norm
+
+
+_CLASS_SWAPS = {nn.RMSNorm: modules.RMSNorm, nn.LayerNorm: modules.LayerNorm, nn.SiLU: modules.SiLU,
+                nn.GELU: modules.GELU}
+
+
+def _swap_modules(m: nn.Module, path: str, warnings: List[str], counts: collections.Counter) -> nn.Module:
+    """m with, in place, torch's norms and activations swapped for ours (a
+    class swap: same object, same Parameters) and gated MLPs / HF RMSNorms
+    replaced by new modules holding the same Parameters, at any depth (m
+    itself included). Counts "Old -> tensor_ops.torch.New"."""
+    old = type(m).__name__
+    new = _CLASS_SWAPS.get(type(m))
+    if new is not None:
+        m.__class__ = new
+        counts[f"{old} -> tensor_ops.torch.{new.__name__}"] += 1
+        return m
+    replacement = _gated_mlp(m, warnings, path) or _hf_rms_norm(m, warnings, path)
+    if replacement is not None:
+        counts[f"{old} -> tensor_ops.torch.{type(replacement).__name__}"] += 1
+        return replacement
+    for name, child in list(m.named_children()):
+        swapped = _swap_modules(child, f"{path}.{name}" if path else name, warnings, counts)
+        if swapped is not child:
+            setattr(m, name, swapped)
+    return m
+
+
+def _reduced_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16  # CPU (fp32 math on bf16 storage in our kernels), XPU, XLA
+
+
+def _cast_inputs_hook(dtype: torch.dtype):
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def hook(module, args, kwargs):
+        return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
+
+    return hook
+
+
+def _tensors(model: nn.Module) -> List[torch.Tensor]:
+    return list(model.parameters()) + list(model.buffers())
+
+
+def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = OptimizationLevel.O1, *,
+                  backend: Union[str, BackendType, Backend, None] = None,
+                  compile_options: Optional[Dict[str, Any]] = None,
+                  example_inputs: Optional[Sequence[Any]] = None) -> Tuple[nn.Module, OptimizationResult]:
+    """Prepares `model` in place and returns (model, OptimizationResult); the
+    returned model is a new object only where `model` itself is replaced (an
+    HF-style MLP or RMSNorm given alone).
+
+    O0 moves it to the backend's torch device (default: the best backend);
+    O1 also swaps nn.RMSNorm / LayerNorm / SiLU / GELU for tensor_ops.torch's
+    modules and HF-style gated MLPs (gate_proj, up_proj, down_proj, act_fn)
+    and HF RMSNorms for SwiGLU / RMSNorm holding the same Parameters (the
+    state_dict keys do not change); O2 also compiles it (Module.compile with
+    compile_options); O3 also stores it in reduced precision and casts
+    floating inputs on entry. With example_inputs, the prepared model runs once
+    (which also compiles it); if that fails, the compile is undone and the
+    result says success=False."""
+    start = time.perf_counter()
+    level = OptimizationLevel.from_string(level)
+    if not isinstance(backend, Backend):
+        backend = BackendFactory.create(BackendType.AUTO if backend is None else backend)
+    applied: List[str] = []
+    warnings: List[str] = []
+    metrics: Dict[str, Any] = {"backend": backend.name, "device": str(backend.device)}
+
+    tensors = _tensors(model)
+    moved = sum(t.device != backend.device for t in tensors)
+    backend.to_device(model)
+    applied.append(f"device placement: {backend.device} (backend {backend.name}), "
+                   f"moved {moved} of {len(tensors)} parameter/buffer tensors")
+    active = tensor_ops.get_backend()
+    if backend.device.type == "cpu" and backend.name != active:
+        warnings.append(f"{backend.name} takes host tensors, and host tensors run on the active backend ({active}): "
+                        f"call the model inside `with backend:` or after tensor_ops.set_backend({backend.name!r})")
+
+    counts: collections.Counter = collections.Counter()
+    if level >= OptimizationLevel.O1:
+        model = _swap_modules(model, "", warnings, counts)
+        applied += [f"{swap} x{n}" for swap, n in sorted(counts.items())]
+        if not counts:
+            warnings.append("O1: no module tensor_ops replaces was found")
+    if level >= OptimizationLevel.O3:
+        dtype = _reduced_dtype(backend.device)
+        n = sum(t.is_floating_point() for t in _tensors(model))
+        model.to(dtype)
+        model.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True)
+        applied.append(f"reduced precision: {n} floating parameter/buffer tensors in {dtype}, "
+                       f"floating inputs cast on entry")
+    if level >= OptimizationLevel.O2:
+        options = dict(compile_options or {})
+        model.compile(**options)
+        applied.append(f"torch.compile ({', '.join(f'{k}={v}' for k, v in options.items()) or 'default options'})")
+
+    success = True
+    if example_inputs is not None:
+        warm = time.perf_counter()
+        try:
+            with torch.set_grad_enabled(model.training and torch.is_grad_enabled()):
+                model(*example_inputs)
+            metrics["warmup_s"] = time.perf_counter() - warm
+        except Exception as e:  # reported, not raised: the model stays usable
+            success = False
+            warnings.append(f"the prepared model failed on example_inputs: {type(e).__name__}: {e}")
+            if level >= OptimizationLevel.O2:
+                model._compiled_call_impl = None  # what Module.compile set: back to eager
+                warnings.append("torch.compile undone")
+
+    params = list(model.parameters())
+    first = params[0] if params else None
+    metrics.update({
+        "parameters": sum(p.numel() for p in params),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        "dtype": str(first.dtype) if first is not None else None,
+        "modules_replaced": sum(counts.values()),
+        "replacements": dict(counts),
+        "time_s": time.perf_counter() - start,
+    })
+    return model, OptimizationResult(success, level, applied, warnings, metrics)
+
+
+@dataclasses.dataclass
+class ValidationResult:
+    passed: int
+    total: int
+    results: Dict[str, Dict[str, Any]]  # per backend: passed, max_abs_error, max_rel_error, tolerance, error
+
+    @property
+    def all_passed(self) -> bool:
+        return self.passed == self.total
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Largest error relative to the reference's largest magnitude, by output dtype.
+VALIDATION_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2, torch.float64: 1e-6}
+
+
+def _call(model, sample_input, device):
+    moved = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample_input)
+    if isinstance(moved, dict):
+        return model(**moved)
+    if isinstance(moved, (tuple, list)):
+        return model(*moved)
+    return model(moved)
+
+
+def validate_model(model: nn.Module, sample_input, backends: Optional[Sequence[Union[str, BackendType]]] = None,
+                   level: Union[str, int, OptimizationLevel] = OptimizationLevel.O1,
+                   **prepare_options) -> ValidationResult:
+    """Runs a prepared copy of `model` (eval mode, no grad) on each backend
+    (default: every available one) and compares every output tensor with the
+    unprepared copy on the same device. sample_input: a tensor, a tuple of
+    positional inputs or a dict of keyword inputs. A backend that cannot run
+    counts as failed, with its reason; `model` itself is not changed.
+    prepare_options go to prepare_model (e.g. compile_options)."""
+    names = BackendFactory.list_available_backends() if backends is None else list(backends)
+    results: Dict[str, Dict[str, Any]] = {}
+    for name in names:
+        key = str(BackendType.from_string(name))  # unknown names raise ValueError here
+        try:
+            backend = BackendFactory.create(key)
+        except BackendUnavailableError as e:
+            results[key] = {"passed": False, "error": str(e)}
+            continue
+        try:
+            with torch.no_grad():
+                ref = _call(backend.to_device(copy.deepcopy(model)).eval(), sample_input, backend.device)
+                prepared, _ = prepare_model(copy.deepcopy(model).eval(), level, backend=backend, **prepare_options)
+                with backend:
+                    got = _call(prepared, sample_input, backend.device)
+        except Exception as e:
+            results[key] = {"passed": False, "error": f"{type(e).__name__}: {e}"}
+            continue
+        results[key] = _compare(pytree.tree_leaves(got), pytree.tree_leaves(ref))
+    return ValidationResult(sum(r["passed"] for r in results.values()), len(results), results)
+
+
+def _compare(got: List[Any], ref: List[Any]) -> Dict[str, Any]:
+    if len(got) != len(ref):
+        return {"passed": False, "error": f"outputs differ in structure: {len(got)} vs {len(ref)} leaves"}
+    pairs = [(g, r) for g, r in zip(got, ref) if isinstance(r, torch.Tensor) and r.is_floating_point()]
+    if not pairs:
+        return {"passed": False, "error": "the model returned no floating-point tensor to compare"}
+    max_abs, max_rel, tol = 0.0, 0.0, 0.0
+    for g, r in pairs:
+        err = (g.double() - r.double()).abs().max().item() if r.numel() else 0.0
+        scale = r.double().abs().max().item() if r.numel() else 0.0
+        max_abs = max(max_abs, err)
+        max_rel = max(max_rel, err / max(scale, 1e-30))
+        tol = max(tol, VALIDATION_TOLERANCE.get(g.dtype, 1e-4))
+    return {"passed": max_rel <= tol, "max_abs_error": max_abs, "max_rel_error": max_rel, "tolerance": tol}

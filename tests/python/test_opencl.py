@@ -1,0 +1,444 @@
+"""The OpenCL plugin (opencl/) on whatever OpenCL device is here (PoCL's CPU
+device in CI): every op staged from numpy and resident on "opencl:0" vs a
+float64 reference, chains without round trips, the on-disk binary cache
+(hits, corrupt entries rebuilt), build errors, and the no-driver path."""
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import tensor_ops
+from conftest import DTYPES, assert_close, ml_dtypes, np_dtype, ref_gelu, ref_rms_norm, ref_silu
+
+
+def _status():
+    for b in tensor_ops.backends():
+        if b.name == "opencl":
+            return b
+    raise AssertionError("tensor_ops.backends() does not list opencl")
+
+
+STATUS = _status()
+if not STATUS.compiled:
+    pytest.skip(f"opencl plugin not compiled: {STATUS.reason}", allow_module_level=True)
+
+# The no-driver test needs only the plugin; everything else a usable device.
+needs_device = pytest.mark.skipif(not STATUS.usable, reason=f"opencl is not usable here: {STATUS.reason}")
+
+DEVICE = "opencl:0"
+HIDDEN = [1, 7, 64, 4095, 4096, 8193]
+OPS = {
+    "rms_norm": (lambda x, w, out=None: tensor_ops.rms_norm(x, w, 1e-6, out=out), lambda x, w: ref_rms_norm(x, w, 1e-6)),
+    "silu": (lambda x, w, out=None: tensor_ops.silu(x, out=out), lambda x, w: ref_silu(x)),
+    "gelu": (lambda x, w, out=None: tensor_ops.gelu(x, out=out), lambda x, w: ref_gelu(x)),
+    "gelu_tanh": (lambda x, w, out=None: tensor_ops.gelu(x, "tanh", out=out), lambda x, w: ref_gelu(x, "tanh")),
+}
+
+
+def make(rng, shape, dtype, scale=3.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(np_dtype(dtype))
+
+
+def device_props(device_id=0):
+    for d in tensor_ops.devices():
+        if d.backend == "opencl" and d.device_id == device_id:
+            return d.properties
+    raise AssertionError("devices() lists no opencl device")
+
+
+def run_py(code, **env):
+    e = {k: v for k, v in os.environ.items() if k != "TENSOR_OPS_BACKEND"}
+    e.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e,
+                          timeout=600)
+
+
+# --- status and devices ---
+
+@needs_device
+def test_listed_usable_with_priority():
+    assert [b.name for b in tensor_ops.backends()].count("opencl") == 1
+    assert STATUS.library.endswith("libtensor_ops_opencl.so") and STATUS.reason == ""
+    gpu = any(d.device_type == "gpu" for d in tensor_ops.devices() if d.backend == "opencl")
+    # Above the CPU backend (50) only with a GPU; PoCL runs only when asked.
+    assert STATUS.priority == (70 if gpu else 40)
+    if not gpu:
+        assert run_py("import tensor_ops; print(tensor_ops.get_backend())").stdout.split()[-1] == "cpu"
+
+
+@needs_device
+def test_devices_report_the_opencl_facts():
+    ds = [d for d in tensor_ops.devices() if d.backend == "opencl"]
+    assert ds and [d.device_id for d in ds] == list(range(len(ds)))
+    rank = {"gpu": 0, "accelerator": 1, "cpu": 2, "other": 3}
+    assert [rank[d.device_type] for d in ds] == sorted(rank[d.device_type] for d in ds), "best device first"
+    for d in ds:
+        assert d.device_name and d.vendor and d.driver_version and d.is_available
+        assert d.total_memory_bytes > 0 and d.compute_capability.startswith("OpenCL C ")
+        p = d.properties
+        for key in ["platform", "platform_version", "opencl_c_version", "device_type", "compute_units",
+                    "max_work_group_size", "max_alloc_bytes", "local_mem_bytes", "fp16", "fp64", "bf16",
+                    "fp16_storage", "binary_cache_dir", "binary_cache_hits", "binary_cache_misses",
+                    "binary_cache_rejected", "host_to_device_copies", "device_to_host_copies"]:
+            assert key in p, f"{d.device_name}: no {key} in {p}"
+        assert p["device_type"] == d.device_type.upper()
+        assert int(p["compute_units"]) >= 1 and int(p["max_work_group_size"]) >= 1
+        assert p["fp16"] in ("0", "1") and p["fp64"] in ("0", "1") and p["fp16_storage"] == "1"
+        assert p["opencl_c_version"] == d.compute_capability
+    pocl = [d for d in ds if "Portable Computing Language" in d.properties["platform"]]
+    if pocl:  # CI: PoCL's CPU device, OpenCL C 1.2 without cl_khr_fp16
+        assert pocl[0].device_type == "cpu" and pocl[0].properties["fp16"] == "0"
+
+
+@needs_device
+def test_mem_info_counts_what_the_plugin_holds():
+    before = tensor_ops.memory_stats(DEVICE)
+    total = before["device_total_bytes"]
+    assert total == [d for d in tensor_ops.devices() if d.backend == "opencl"][0].total_memory_bytes
+    t = tensor_ops.zeros((1 << 20,), "float32", device=DEVICE)  # 4 MiB, filled by clEnqueueFillBuffer
+    after = tensor_ops.memory_stats(DEVICE)
+    assert after["device_free_bytes"] <= total - (4 << 20)
+    assert (t.numpy() == 0).all()
+
+
+@needs_device
+def test_allocation_past_the_device_limit_is_out_of_memory():
+    p = device_props()
+    max_alloc, total = int(p["max_alloc_bytes"]), tensor_ops.memory_stats(DEVICE)["device_total_bytes"]
+    n = max_alloc + (1 << 20)
+    if n * 1.25 > total:
+        pytest.skip("the device allows one buffer of nearly all its memory: the core's free check fires first")
+    with pytest.raises(tensor_ops.OutOfMemoryError, match="CL_DEVICE_MAX_MEM_ALLOC_SIZE"):
+        tensor_ops.empty((n // 4,), "float32", device=DEVICE)
+
+
+# --- conformance vs float64 ---
+
+@needs_device
+@pytest.mark.parametrize("resident", [False, True], ids=["staged", "resident"])
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(OPS))
+def test_conformance(op, dtype, hidden, resident, rng):
+    x = make(rng, (3, hidden), dtype)
+    w = make(rng, (hidden,), dtype, 1.0)
+    run, ref = OPS[op]
+    if resident:
+        xt, wt = tensor_ops.from_numpy(x, device=DEVICE), tensor_ops.from_numpy(w, device=DEVICE)
+        yt = run(xt, wt)
+        assert isinstance(yt, tensor_ops.Tensor) and yt.device == DEVICE and yt.dtype == dtype
+        y = yt.numpy()
+    else:
+        with tensor_ops.use("opencl"):
+            y = run(x, w)
+        assert isinstance(y, np.ndarray)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert_close(y, ref(x, w), dtype, f"opencl {'resident' if resident else 'staged'} {op} {dtype} {x.shape}")
+
+
+@needs_device
+@pytest.mark.parametrize("shape", [(4096,), (2, 3, 7), (2, 1, 3, 64), (5, 1, 4095)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(OPS))
+def test_ranks(op, dtype, shape, rng):
+    x = make(rng, shape, dtype)
+    w = make(rng, shape[-1:], dtype, 1.0)
+    run, ref = OPS[op]
+    with tensor_ops.use("opencl"):
+        y = run(x, w)
+    assert_close(y, ref(x, w), dtype, f"staged {op} {dtype} {shape}")
+    yt = run(tensor_ops.from_numpy(x, device=DEVICE), tensor_ops.from_numpy(w, device=DEVICE))
+    assert yt.shape == shape
+    assert_close(yt.numpy(), ref(x, w), dtype, f"resident {op} {dtype} {shape}")
+
+
+@needs_device
+@pytest.mark.parametrize("op", ["silu", "gelu", "gelu_tanh"])
+def test_special_values(op):
+    x = np.array([0.0, -0.0, np.nan, 1e-30, -1e-30, 20.0, -20.0, 1e4, -1e4, 100.0, -100.0], np.float32)
+    with tensor_ops.use("opencl"):
+        y = OPS[op][0](x, None)
+    ref = OPS[op][1](x, None)
+    assert np.isnan(y[2])
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(y[fin].astype(np.float64), ref[fin], rtol=1e-5, atol=1e-30)
+
+
+@needs_device
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_stores_round_to_nearest_even_and_keep_nan(dtype, op, rng):
+    # The same fp32 math on the same (exact) inputs: the 16-bit result must
+    # be the fp32 result rounded to nearest even, NaN kept NaN.
+    special = [np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0 if dtype == "float16" else 3e38]
+    x = np.concatenate([special, rng.standard_normal(4090) * 4]).astype(np.float32).astype(np_dtype(dtype))
+    x = x.reshape(2, 2048)
+    w = make(rng, (2048,), dtype, 1.0)
+    run = OPS[op][0]
+    with tensor_ops.use("opencl"):
+        y = run(x, w)
+        y32 = run(x.astype(np.float32), w.astype(np.float32))
+    want = y32.astype(np_dtype(dtype))
+    nan = np.isnan(want.astype(np.float32))
+    assert (np.isnan(y.astype(np.float32)) == nan).all()
+    np.testing.assert_array_equal(y.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+
+
+@needs_device
+def test_rms_norm_rows_isolated_and_eps(rng):
+    x = make(rng, (3, 64), "float32")
+    x[1, 5] = np.nan
+    with tensor_ops.use("opencl"):
+        y = tensor_ops.rms_norm(x, np.ones(64, np.float32))
+        z = tensor_ops.rms_norm(np.zeros((2, 8), np.float32), np.ones(8, np.float32))
+        big = tensor_ops.rms_norm(x[[0, 2]], np.ones(64, np.float32), eps=1e30)
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+    assert (z == 0).all()
+    assert_close(big, ref_rms_norm(x[[0, 2]], np.ones(64, np.float32), 1e30), "float32", "huge eps")
+
+
+@needs_device
+def test_many_rows_and_strided_out(rng):
+    x = make(rng, (20000, 8), "float32")
+    w = make(rng, (8,), "float32", 1.0)
+    with tensor_ops.use("opencl"):
+        assert_close(tensor_ops.rms_norm(x, w), ref_rms_norm(x, w), "float32", "20000 rows")
+        # A strided view of the input: the Python layer copies it contiguous for staging.
+        wide = make(rng, (5, 1000 + 8), "float32")
+        assert_close(tensor_ops.silu(wide[:, :1000]), ref_silu(wide[:, :1000]), "float32", "row slice")
+
+
+# --- resident tensors: chains, in place, out= ---
+
+@needs_device
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chain_on_device_without_round_trips(dtype, rng):
+    x = make(rng, (6, 4095), dtype)
+    w = make(rng, (4095,), dtype, 1.0)
+    xt, wt = tensor_ops.from_numpy(x, device=DEVICE), tensor_ops.from_numpy(w, device=DEVICE)
+    before = device_props()
+    y = tensor_ops.rms_norm(xt, wt)
+    s = tensor_ops.silu(y)
+    g = tensor_ops.gelu(s, "tanh")
+    e = tensor_ops.empty(g.shape, dtype, device=DEVICE)
+    out = tensor_ops.gelu(g, out=e)
+    after = device_props()
+    assert out is e and all(t.device == DEVICE for t in (y, s, g, e))
+    for key in ("host_to_device_copies", "device_to_host_copies"):
+        assert after[key] == before[key], f"{key}: the chain copied between host and device"
+    # Each stage against the reference of what the stage before produced.
+    y_h, s_h, g_h, e_h = y.numpy(), s.numpy(), g.numpy(), e.numpy()
+    assert_close(y_h, ref_rms_norm(x, w), dtype, "rms_norm")
+    assert_close(s_h, ref_silu(y_h), dtype, "silu")
+    assert_close(g_h, ref_gelu(s_h, "tanh"), dtype, "gelu tanh")
+    assert_close(e_h, ref_gelu(g_h), dtype, "gelu")
+    assert int(device_props()["device_to_host_copies"]) == int(after["device_to_host_copies"]) + 4
+
+
+@needs_device
+@pytest.mark.parametrize("op", list(OPS))
+def test_in_place_on_device(op, rng):
+    x = make(rng, (4, 4096), "float32")
+    w = make(rng, (4096,), "float32", 1.0)
+    run, ref = OPS[op]
+    xt, wt = tensor_ops.from_numpy(x, device=DEVICE), tensor_ops.from_numpy(w, device=DEVICE)
+    assert run(xt, wt, out=xt) is xt
+    assert_close(xt.numpy(), ref(x, w), "float32", f"{op} in place")
+
+
+@needs_device
+def test_copies_round_trip_bit_exact_and_zeros(rng):
+    for dtype in DTYPES:
+        x = make(rng, (3, 33), dtype)
+        t = tensor_ops.from_numpy(x, device=DEVICE)
+        assert t.to(DEVICE).device == DEVICE
+        back = t.to("cpu")
+        assert back.device == "cpu"
+        bits = np.uint32 if dtype == "float32" else np.uint16
+        np.testing.assert_array_equal(back.numpy().view(bits), x.view(bits))
+        np.testing.assert_array_equal(t.numpy().view(bits), x.view(bits))
+        z = tensor_ops.zeros((5, 7), dtype, device=DEVICE)
+        assert (z.numpy().astype(np.float32) == 0).all()
+
+
+# --- errors ---
+
+@needs_device
+def test_mixing_device_tensor_and_host_array_is_a_clear_error(rng):
+    x = make(rng, (2, 16), "float32")
+    xt = tensor_ops.from_numpy(x, device=DEVICE)
+    with pytest.raises(ValueError, match=r"rms_norm: weight is on cpu but x is on opencl:0"):
+        tensor_ops.rms_norm(xt, np.ones(16, np.float32))
+    with pytest.raises(ValueError, match=r"silu: out is on cpu but x is on opencl:0"):
+        tensor_ops.silu(xt, out=np.empty((2, 16), np.float32))
+    with pytest.raises(ValueError, match=r"gelu: out is on opencl:0 but x is on cpu"):
+        tensor_ops.gelu(x, out=tensor_ops.empty((2, 16), device=DEVICE))
+    with pytest.raises(TypeError, match="dtype"):
+        tensor_ops.rms_norm(xt, tensor_ops.from_numpy(np.ones(16, np.float16), device=DEVICE))
+    with pytest.raises(ValueError, match="does not exist"):
+        tensor_ops.from_numpy(x, device="opencl:99")
+
+
+@needs_device
+def test_build_error_carries_the_compiler_log(tmp_path):
+    # "-DT=1" turns the storage typedef into a syntax error.
+    r = run_py("""
+        import numpy as np, tensor_ops
+        try:
+            with tensor_ops.use("opencl"):
+                tensor_ops.silu(np.ones(8, np.float32))
+        except tensor_ops.DeviceError as e:
+            print("ERROR:", e)
+    """, TENSOR_OPS_CACHE_DIR=str(tmp_path), TENSOR_OPS_OPENCL_BUILD_OPTIONS="-DT=1")
+    msg = r.stdout.partition("ERROR: ")[2]
+    assert msg, r.stdout + r.stderr
+    assert "building the OpenCL kernels for float32" in msg
+    assert re.search(r"clBuildProgram returned -11 CL_BUILD_PROGRAM_FAILURE \(options \"-DTO_DTYPE_F32 -DT=1\"\)", msg)
+    assert "build log:" in msg and "dtype.cl:" in msg, msg  # the log names the .cl file and line
+
+
+# --- the binary cache ---
+
+CACHE_RUN = """
+    import json, sys, numpy as np, tensor_ops
+    dtypes = sys.argv[1:]
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((5, 300)) * 3).astype(np.float32)
+    w = rng.standard_normal(300).astype(np.float32)
+    out = {}
+    for dt in dtypes:
+        if dt == "bfloat16":
+            import ml_dtypes
+            cast = ml_dtypes.bfloat16
+        else:
+            cast = np.dtype(dt)
+        with tensor_ops.use("opencl"):
+            y = tensor_ops.rms_norm(x.astype(cast), w.astype(cast))
+            g = tensor_ops.gelu(x.astype(cast))
+        out[dt] = [y.astype(np.float32).tolist(), g.astype(np.float32).tolist()]
+    p = [d for d in tensor_ops.devices() if d.backend == "opencl"][0].properties
+    print(json.dumps({"results": out, "props": p}))
+"""
+
+
+def _cache_run(tmp_path, dtypes):
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(CACHE_RUN), *dtypes], capture_output=True, text=True,
+                       timeout=600, env={**{k: v for k, v in os.environ.items() if k != "TENSOR_OPS_BACKEND"},
+                                         "TENSOR_OPS_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout.strip().splitlines()[-1])
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((5, 300)) * 3).astype(np.float32)
+    w = rng.standard_normal(300).astype(np.float32)
+    for dt in dtypes:
+        xd, wd = x.astype(np_dtype(dt)), w.astype(np_dtype(dt))
+        y, g = (np.array(v, np.float32) for v in data["results"][dt])
+        assert_close(y, ref_rms_norm(xd, wd), dt, f"rms_norm {dt} after the cache")
+        assert_close(g, ref_gelu(xd), dt, f"gelu {dt} after the cache")
+    p = data["props"]
+    return {k: int(p[f"binary_cache_{k}"]) for k in ("hits", "misses", "rejected")}, p
+
+
+def _entry(path):
+    """(key, binary) of a cache entry (layout: opencl/binary_cache.cpp)."""
+    data = path.read_bytes()
+    assert data[:8] == b"TOCLBIN1"
+    (key_size,) = struct.unpack_from("<Q", data, 8)
+    key = data[16:16 + key_size]
+    size, _ = struct.unpack_from("<QQ", data, 16 + key_size)
+    return key, data[32 + key_size:32 + key_size + size]
+
+
+def _fnv1a64(data):
+    h = 0xCBF29CE484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+@needs_device
+def test_binary_cache_hits_and_rebuilds_corrupt_entries(tmp_path):
+    dtypes = ["float32", "float16"] + (["bfloat16"] if ml_dtypes is not None else [])
+    n = len(dtypes)
+    stats, props = _cache_run(tmp_path, dtypes)
+    assert stats == {"hits": 0, "misses": n, "rejected": 0}, props
+    cache = tmp_path / "opencl"
+    assert props["binary_cache_dir"] == str(cache) and "binary_cache_problem" not in props
+    files = sorted(cache.glob("*.bin"))
+    assert len(files) == n and not list(cache.glob("*.tmp*"))
+    assert (cache.stat().st_mode & 0o777) == 0o700 and (tmp_path.stat().st_mode & 0o077) == 0
+    assert all((f.stat().st_mode & 0o777) == 0o600 for f in files)
+    keys = [_entry(f)[0].decode() for f in files]
+    assert all(re.search(r"^device=.+$", k, re.M) and "driver_version=" in k and "source_sha256=" in k for k in keys)
+    assert sorted(re.search(r"options=(\S+)", k).group(1) for k in keys) == sorted(
+        {"float32": "-DTO_DTYPE_F32", "float16": "-DTO_DTYPE_F16", "bfloat16": "-DTO_DTYPE_BF16"}[d] for d in dtypes)
+
+    stats, _ = _cache_run(tmp_path, dtypes)
+    assert stats == {"hits": n, "misses": 0, "rejected": 0}
+
+    # Truncated; one bit flipped in the binary; a binary the driver refuses
+    # under a valid header (its size and hash match).
+    truncated, flipped = files[0], files[1]
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    data = bytearray(flipped.read_bytes())
+    data[-100] ^= 0x10
+    flipped.write_bytes(bytes(data))
+    corrupt = 2
+    if n > 2:
+        key, binary = _entry(files[2])
+        garbage = bytes(range(256)) * 4
+        files[2].write_bytes(b"TOCLBIN1" + struct.pack("<Q", len(key)) + key +
+                             struct.pack("<QQ", len(garbage), _fnv1a64(garbage)) + garbage)
+        corrupt = 3
+    stats, _ = _cache_run(tmp_path, dtypes)
+    assert stats == {"hits": n - corrupt, "misses": corrupt, "rejected": corrupt}
+
+    # Rebuilt entries were written back whole.
+    stats, _ = _cache_run(tmp_path, dtypes)
+    assert stats == {"hits": n, "misses": 0, "rejected": 0}
+
+
+@needs_device
+def test_binary_cache_refuses_a_directory_others_can_write(tmp_path):
+    (tmp_path / "opencl").mkdir(mode=0o700)
+    os.chmod(tmp_path / "opencl", 0o777)
+    stats, props = _cache_run(tmp_path, ["float32"])
+    assert stats == {"hits": 0, "misses": 1, "rejected": 0}
+    assert "not trusted" in props.get("binary_cache_problem", ""), props
+    assert not list((tmp_path / "opencl").iterdir())
+
+
+# --- no OpenCL driver ---
+
+def test_no_icd_reports_unusable_with_reason_and_cpu_still_runs(tmp_path):
+    empty = tmp_path / "vendors"
+    empty.mkdir()
+    r = run_py("""
+        import json, numpy as np, tensor_ops
+        b = [b for b in tensor_ops.backends() if b.name == "opencl"][0]
+        x = np.linspace(-4, 4, 64, dtype=np.float32)
+        y = tensor_ops.silu(x)
+        try:
+            with tensor_ops.use("opencl"):
+                pass
+            err = ""
+        except tensor_ops.BackendUnavailableError as e:
+            err = str(e)
+        print(json.dumps({"status": b.to_dict(), "backend": tensor_ops.get_backend(), "err": err,
+                          "devices": [d.backend for d in tensor_ops.devices()],
+                          "max_err": float(np.abs(y - x / (1 + np.exp(-x))).max())}))
+    """, OCL_ICD_VENDORS=str(empty))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    s = out["status"]
+    assert s["compiled"] and not s["usable"] and s["library"].endswith("libtensor_ops_opencl.so")
+    assert s["reason"].startswith(
+        "no OpenCL platforms found (clGetPlatformIDs returned -1001 CL_PLATFORM_NOT_FOUND_KHR)"), s["reason"]
+    assert s["reason"] in out["err"]
+    assert out["backend"] == "cpu" and "opencl" not in out["devices"] and out["max_err"] < 1e-5

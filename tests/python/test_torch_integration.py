@@ -1,0 +1,708 @@
+"""tensor_ops.torch: custom ops (schema, fake kernels, autograd), modules,
+prepare_model / validate_model, the factory API, and a small Llama-style
+model prepared at O1 / O2 / O3 against the same model in plain torch."""
+import copy
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import tensor_ops  # noqa: E402
+import tensor_ops.torch as tt  # noqa: E402
+from tensor_ops.torch import custom_ops  # noqa: E402
+
+
+# ---- the model the acceptance tests, the DDP test and the benchmark share ----
+
+def rope_ref(x, cos, sin):
+    """NeoX rotary embedding of x [B, H, S, D] with tables [S, D / 2]."""
+    half = cos.shape[-1]
+    c, s = cos[None, None], sin[None, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, E, H, Hkv):
+        super().__init__()
+        self.H, self.Hkv, self.D = H, Hkv, E // H
+        self.q_proj = nn.Linear(E, H * self.D, bias=False)
+        self.k_proj = nn.Linear(E, Hkv * self.D, bias=False)
+        self.v_proj = nn.Linear(E, Hkv * self.D, bias=False)
+        self.o_proj = nn.Linear(H * self.D, E, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.H, self.D).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, self.Hkv, self.D).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, self.Hkv, self.D).transpose(1, 2)
+        q, k = rope_ref(q, cos[:S], sin[:S]), rope_ref(k, cos[:S], sin[:S])
+        g = self.H // self.Hkv
+        a = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True)
+        return self.o_proj(a.transpose(1, 2).reshape(B, S, -1))
+
+
+class LlamaMLP(nn.Module):
+    """HF LlamaMLP's structure and names."""
+
+    def __init__(self, E, FF):
+        super().__init__()
+        self.gate_proj = nn.Linear(E, FF, bias=False)
+        self.up_proj = nn.Linear(E, FF, bias=False)
+        self.down_proj = nn.Linear(FF, E, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, E, H, Hkv, FF):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(E, eps=1e-6)
+        self.self_attn = LlamaAttention(E, H, Hkv)
+        self.post_attention_layernorm = nn.RMSNorm(E, eps=1e-6)
+        self.mlp = LlamaMLP(E, FF)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, vocab=96, E=64, H=4, Hkv=2, FF=160, layers=2, max_pos=64):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, E)
+        self.layers = nn.ModuleList(LlamaBlock(E, H, Hkv, FF) for _ in range(layers))
+        self.norm = nn.RMSNorm(E, eps=1e-6)
+        self.lm_head = nn.Linear(E, vocab, bias=False)
+        D = E // H
+        inv = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+        self.register_buffer("cos", ang.cos().float(), persistent=False)
+        self.register_buffer("sin", ang.sin().float(), persistent=False)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        return self.lm_head(self.norm(x))
+
+
+def tiny_llama(seed=0, **kw):
+    torch.manual_seed(seed)
+    return TinyLlama(**kw)
+
+
+def rel_err(got, ref):
+    ref = ref.detach().double()
+    return ((got.detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+# ---- registration -----------------------------------------------------------
+
+def test_importing_tensor_ops_does_not_import_torch():
+    code = "import sys, tensor_ops; assert 'torch' not in sys.modules; import tensor_ops.torch; print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_every_op_is_a_torch_op():
+    core = set(tensor_ops.ops.__all__) | {"rms_norm", "silu", "gelu"}
+    assert set(custom_ops.OPS) == core
+    for name in core:
+        assert hasattr(torch.ops.tensor_ops, name), name
+
+
+def _opcheck_cases():
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, grad=True):
+        return torch.randn(*shape, generator=g).requires_grad_(grad)
+
+    def n(*shape):
+        return r(*shape, grad=False)
+
+    cos, sin = n(16, 4), n(16, 4)
+    q, k, v = r(2, 4, 5, 8), r(2, 2, 7, 8), r(2, 2, 7, 8)
+    out, lse = custom_ops.attention(q.detach(), k.detach(), v.detach())
+    logits, target = r(6, 11), torch.tensor([1, 2, -100, 4, 5, 0])
+    return {
+        "rms_norm": (r(3, 8), r(8), 1e-6),
+        "layer_norm": (r(3, 8), r(8), r(8), 1e-5),
+        "add_rms_norm": (r(3, 8), r(3, 8), r(8), 1e-6),
+        "silu": (r(3, 8),),
+        "gelu": (r(3, 8), "tanh"),
+        "softmax": (r(3, 5, 8), 1, 0.5, False),
+        "log_softmax": (r(3, 8), -1, 1.0, True),
+        "swiglu": (r(3, 8), r(3, 8)),
+        "geglu": (r(3, 8), r(3, 8), "tanh"),
+        "rope": (r(2, 5, 3, 8), cos, sin, torch.randint(0, 16, (2, 5), generator=g), False),
+        "attention": (q, k, v, True, 0.3),
+        "cross_entropy": (logits, target, -100, "mean"),
+        "cross_entropy_with_grad": (logits, target, -100, "none"),
+        "rms_norm_backward": (n(3, 8), n(3, 8), n(8), 1e-6),
+        "layer_norm_backward": (n(3, 8), n(3, 8), n(8), 1e-5),
+        "silu_backward": (n(3, 8), n(3, 8)),
+        "gelu_backward": (n(3, 8), n(3, 8), "none"),
+        "swiglu_backward": (n(3, 8), n(3, 8), n(3, 8)),
+        "geglu_backward": (n(3, 8), n(3, 8), n(3, 8), "none"),
+        "softmax_backward": (n(3, 8), torch.softmax(n(3, 8), 0), 0, 1.0),
+        "log_softmax_backward": (n(3, 8), torch.log_softmax(n(3, 8), -1), -1, 1.0),
+        "rope_backward": (n(2, 5, 3, 8), cos, sin, None, True),
+        "attention_backward": (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, False, None),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_opcheck_cases()))
+def test_opcheck(name):
+    """Schema, autograd registration, fake kernel vs real (shapes, strides,
+    dtypes) and AOT dispatch with dynamic shapes: torch's own custom op check."""
+    torch.library.opcheck(custom_ops.OPS[name], _opcheck_cases()[name])
+
+
+def test_fake_kernels_give_shapes_and_dtypes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 5, 8, dtype=torch.bfloat16)
+        k = torch.empty(2, 2, 7, 8, dtype=torch.bfloat16)
+        out, lse = custom_ops.attention(q, k, k, True, None)
+        assert out.shape == q.shape and out.dtype == torch.bfloat16
+        assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+        logits, target = torch.empty(6, 11, dtype=torch.float16), torch.zeros(6, dtype=torch.int64)
+        for reduction, shape in [("mean", ()), ("sum", ()), ("none", (6,))]:
+            loss, dl = custom_ops.cross_entropy_with_grad(logits, target, -100, reduction)
+            assert loss.shape == shape and loss.dtype == torch.float32
+            assert dl.shape == logits.shape and dl.dtype == torch.float16
+            assert custom_ops.cross_entropy(logits, target, -100, reduction).shape == shape
+        y = custom_ops.softmax(torch.empty(3, 5, 8), 1, 1.0, False)
+        assert y.shape == (3, 5, 8)
+
+
+# ---- values and gradients against torch autograd ------------------------------
+
+def causal_mask(rows, cols):
+    return torch.ones(rows, cols, dtype=torch.bool).tril(cols - rows)
+
+
+def ref_softmax(x, dim, scale, causal, log=False):
+    s = x * scale
+    if causal:
+        s = s.masked_fill(~causal_mask(*s.shape[-2:]), float("-inf"))
+    return torch.log_softmax(s, dim) if log else torch.softmax(s, dim)
+
+
+def ref_rope(x, cos, sin, pos, interleaved):  # x [B, S, H, D], pos [B, S]
+    c, s = cos[pos][:, :, None, :], sin[pos][:, :, None, :]
+    half = c.shape[-1]
+    if interleaved:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        return torch.stack([a * c - b * s, b * c + a * s], -1).flatten(-2)
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * c - b * s, b * c + a * s], -1)
+
+
+def ref_attention(q, k, v, causal, scale):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(~causal_mask(*s.shape[-2:]), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def _pos():
+    return torch.tensor([[3, 0, 7, 1, 2], [5, 5, 9, 4, 0]])
+
+
+# name: (ours, reference, input shapes); every input gets a gradient
+GRAD_CASES = {
+    "rms_norm": (lambda x, w: tt.rms_norm(x, w, 1e-6), lambda x, w: F.rms_norm(x, (33,), w, 1e-6),
+                 [(4, 33), (33,)]),
+    "layer_norm": (lambda x, w, b: tt.layer_norm(x, w, b, 1e-5), lambda x, w, b: F.layer_norm(x, (33,), w, b, 1e-5),
+                   [(4, 33), (33,), (33,)]),
+    "layer_norm_no_bias": (lambda x, w: tt.layer_norm(x, w, None, 1e-5),
+                           lambda x, w: F.layer_norm(x, (33,), w, None, 1e-5), [(4, 33), (33,)]),
+    "add_rms_norm": (lambda x, r, w: torch.cat(tt.add_rms_norm(x, r, w, 1e-6)),
+                     lambda x, r, w: torch.cat([F.rms_norm(x + r, (33,), w, 1e-6), x + r]),
+                     [(4, 33), (4, 33), (33,)]),
+    "silu": (tt.silu, F.silu, [(4, 33)]),
+    "gelu": (tt.gelu, F.gelu, [(4, 33)]),
+    "gelu_tanh": (lambda x: tt.gelu(x, "tanh"), lambda x: F.gelu(x, approximate="tanh"), [(4, 33)]),
+    "softmax_dim1": (lambda x: tt.softmax(x, 1, 0.7), lambda x: ref_softmax(x, 1, 0.7, False), [(3, 9, 5)]),
+    "softmax_causal": (lambda x: tt.softmax(x, -1, 1.0, True), lambda x: ref_softmax(x, -1, 1.0, True), [(2, 6, 9)]),
+    "log_softmax": (lambda x: tt.log_softmax(x, -1, 0.5), lambda x: ref_softmax(x, -1, 0.5, False, True),
+                    [(3, 17)]),
+    "swiglu": (tt.swiglu, lambda g, u: F.silu(g) * u, [(4, 33), (4, 33)]),
+    "geglu": (lambda g, u: tt.geglu(g, u, "tanh"), lambda g, u: F.gelu(g, approximate="tanh") * u,
+              [(4, 33), (4, 33)]),
+    "rope": (lambda x: tt.rope(x, *_tables(x), _pos(), False), lambda x: ref_rope(x, *_tables(x), _pos(), False),
+             [(2, 5, 3, 12)]),
+    "rope_interleaved": (lambda x: tt.rope(x, *_tables(x), _pos(), True),
+                         lambda x: ref_rope(x, *_tables(x), _pos(), True), [(2, 5, 3, 12)]),
+    "attention_gqa_causal": (lambda q, k, v: tt.attention(q, k, v, True),
+                             lambda q, k, v: ref_attention(q, k, v, True, 1 / math.sqrt(16)),
+                             [(2, 4, 7, 16), (2, 2, 7, 16), (2, 2, 7, 16)]),
+    "attention_scale": (lambda q, k, v: tt.attention(q, k, v, False, 0.3),
+                        lambda q, k, v: ref_attention(q, k, v, False, 0.3),
+                        [(1, 2, 5, 8), (1, 2, 9, 8), (1, 2, 9, 8)]),
+}
+
+
+def _tables(x):
+    inv = 1.0 / 10000 ** (torch.arange(0, 12, 2, dtype=torch.float64) / 12)
+    ang = torch.arange(10, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_CASES))
+def test_values_and_gradients_match_torch(name):
+    ours, ref, shapes = GRAD_CASES[name]
+    torch.manual_seed(sum(map(ord, name)))
+    xs = [torch.randn(s) for s in shapes]
+    a = [x.clone().requires_grad_() for x in xs]
+    b = [x.double().requires_grad_() for x in xs]
+    y, y_ref = ours(*a), ref(*b)
+    assert y.dtype == torch.float32 and y.shape == y_ref.shape
+    assert rel_err(y, y_ref) < 1e-5, f"{name} forward"
+    dy = torch.randn(y.shape)
+    y.backward(dy)
+    y_ref.backward(dy.double())
+    for i, (ga, gb) in enumerate(zip(a, b)):
+        assert rel_err(ga.grad, gb.grad) < 1e-4, f"{name} grad of input {i}"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_value_and_gradient(reduction):
+    torch.manual_seed(1)
+    logits = torch.randn(7, 13)
+    target = torch.randint(0, 13, (7,))
+    target[3] = -100
+    a, b = logits.clone().requires_grad_(), logits.double().requires_grad_()
+    loss, ref = tt.cross_entropy(a, target, reduction=reduction), F.cross_entropy(b, target, reduction=reduction)
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert rel_err(loss, ref) < 1e-5
+    g = torch.rand(loss.shape) + 0.5
+    loss.backward(g)
+    ref.backward(g.double())
+    assert rel_err(a.grad, b.grad) < 1e-5
+    # the loss-only op (what torch.ops.tensor_ops.cross_entropy is when called directly) agrees
+    c = logits.clone().requires_grad_()
+    torch.ops.tensor_ops.cross_entropy(c, target, -100, reduction).backward(g)
+    assert rel_err(c.grad, b.grad) < 1e-5
+
+
+def test_cross_entropy_backward_uses_the_forward_gradient(monkeypatch):
+    calls = []
+    fused = tensor_ops.cross_entropy_with_grad
+    monkeypatch.setattr(tensor_ops, "cross_entropy_with_grad", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    logits = torch.randn(5, 9, requires_grad=True)
+    tt.cross_entropy(logits, torch.randint(0, 9, (5,))).backward()
+    assert len(calls) == 1 and logits.grad is not None
+    with torch.no_grad():  # no gradient wanted: the loss-only kernel, no dlogits written
+        tt.cross_entropy(logits, torch.randint(0, 9, (5,)))
+    assert len(calls) == 1
+
+
+def test_attention_lse_is_float32_and_not_differentiable():
+    q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    out, lse = tt.attention(q, q, q, return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (1, 2, 4)
+    assert out.requires_grad and not lse.requires_grad
+
+
+def test_strided_inputs_and_gradients():
+    torch.manual_seed(2)
+    x = torch.randn(33, 4).t().requires_grad_()  # [4, 33], not contiguous
+    w = torch.randn(33, requires_grad=True)
+    y = tt.rms_norm(x, w, 1e-6)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    assert rel_err(y, F.rms_norm(x64, (33,), w64, 1e-6)) < 1e-5
+    y.sum().backward()  # an expanded (stride 0) incoming gradient
+    F.rms_norm(x64, (33,), w64, 1e-6).sum().backward()
+    assert rel_err(x.grad, x64.grad) < 1e-4 and rel_err(w.grad, w64.grad) < 1e-4
+    q = torch.randn(2, 5, 4, 8).transpose(1, 2)  # [B, H, S, D] view of [B, S, H, D]
+    assert rel_err(tt.attention(q, q, q, True), ref_attention(q.double(), q.double(), q.double(), True,
+                                                              1 / math.sqrt(8))) < 1e-5
+
+
+def test_ops_compile_fullgraph():
+    def f(x, w, gate, up, logits, target):
+        h = tt.rms_norm(x, w, 1e-6) + tt.layer_norm(x, w, None, 1e-5)
+        s = tt.softmax(h, -1, 0.5) + tt.swiglu(gate, up) + tt.gelu(gate, "tanh")
+        a = tt.attention(s[None, None], s[None, None], s[None, None], True)
+        return a.sum() + tt.cross_entropy(logits, target)
+
+    torch.manual_seed(3)
+    args = [torch.randn(6, 16, requires_grad=True), torch.randn(16, requires_grad=True),
+            torch.randn(6, 16, requires_grad=True), torch.randn(6, 16, requires_grad=True),
+            torch.randn(6, 10, requires_grad=True), torch.randint(0, 10, (6,))]
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = compiled(*args)
+    grads = torch.autograd.grad(got, args[:5])
+    ref = f(*args)
+    ref_grads = torch.autograd.grad(ref, args[:5])
+    assert rel_err(got, ref) < 1e-6
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < 1e-6
+
+
+# ---- modules --------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: (nn.RMSNorm(24, eps=1e-5), tt.RMSNorm(24, eps=1e-5)),
+    lambda: (nn.RMSNorm((3, 8)), tt.RMSNorm((3, 8))),
+    lambda: (nn.RMSNorm(24, elementwise_affine=False), tt.RMSNorm(24, elementwise_affine=False)),
+    lambda: (nn.LayerNorm(24), tt.LayerNorm(24)),
+    lambda: (nn.LayerNorm(24, bias=False), tt.LayerNorm(24, bias=False)),
+    lambda: (nn.LayerNorm((3, 8), eps=1e-3), tt.LayerNorm((3, 8), eps=1e-3)),
+    lambda: (nn.LayerNorm(24, elementwise_affine=False), tt.LayerNorm(24, elementwise_affine=False)),
+], ids=["rms", "rms_2d", "rms_no_affine", "ln", "ln_no_bias", "ln_2d", "ln_no_affine"])
+def test_norm_modules_load_torch_state_dict(make):
+    torch.manual_seed(4)
+    theirs, ours = make()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_()
+    assert ours.load_state_dict(theirs.state_dict()) is not None
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    x = torch.randn(5, *theirs.normalized_shape)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, ref = ours(xa), theirs(xb)
+    assert rel_err(y, ref) < 1e-5
+    dy = torch.randn(y.shape)
+    y.backward(dy)
+    ref.backward(dy)
+    assert rel_err(xa.grad, xb.grad) < 1e-4
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-4
+
+
+def test_rms_norm_module_in_bf16_and_default_eps():
+    torch.manual_seed(5)
+    theirs = nn.RMSNorm(64).to(torch.bfloat16)  # eps=None: finfo(bf16).eps
+    ours = tt.RMSNorm(64).to(torch.bfloat16)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    y = ours(x)
+    assert y.dtype == torch.bfloat16 and rel_err(y, theirs(x)) < 2e-2
+
+
+def test_activation_modules():
+    x = torch.randn(3, 10)
+    assert rel_err(tt.SiLU()(x), F.silu(x)) < 1e-6
+    assert rel_err(tt.GELU("tanh")(x), F.gelu(x, approximate="tanh")) < 1e-6
+    assert rel_err(tt.GELU()(x), F.gelu(x)) < 1e-6
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_swiglu_loads_hf_mlp_state_dict(activation):
+    torch.manual_seed(6)
+    hf = LlamaMLP(16, 40)
+    if activation == "gelu_tanh":
+        hf.act_fn = nn.GELU(approximate="tanh")
+    ours = tt.SwiGLU(16, 40, activation=activation)
+    ours.load_state_dict(hf.state_dict())
+    assert sorted(ours.state_dict()) == sorted(hf.state_dict())
+    x = torch.randn(2, 3, 16)
+    assert rel_err(ours(x), hf(x)) < 1e-5
+    with pytest.raises(ValueError, match="activation"):
+        tt.SwiGLU(16, 40, activation="relu")
+
+
+def test_attention_module_matches_sdpa():
+    torch.manual_seed(7)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert rel_err(tt.Attention(causal=True)(q, k, v), ref) < 1e-5
+    assert "causal=True" in repr(tt.Attention(causal=True))
+
+
+# ---- prepare_model ------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,level", [("O2", 2), ("o0", 0), ("balanced", 2), ("AGGRESSIVE", 3), ("none", 0),
+                                        ("Conservative", 1), ("3", 3), (1, 1)])
+def test_optimization_level_from_string(text, level):
+    assert tt.OptimizationLevel.from_string(text) == level
+
+
+def test_optimization_level_rejects_unknown():
+    with pytest.raises(ValueError, match="O0 .none."):
+        tt.OptimizationLevel.from_string("O4")
+    assert tt.OptimizationLevel.BALANCED is tt.OptimizationLevel.O2
+
+
+def test_prepare_o0_places_only():
+    model = tiny_llama()
+    ids = torch.randint(0, 96, (2, 8))
+    ref = model(ids)
+    prepared, result = tt.prepare_model(model, "O0")
+    assert result.success and result.level is tt.OptimizationLevel.O0
+    assert len(result.optimizations_applied) == 1 and "device placement: cpu" in result.optimizations_applied[0]
+    assert result.metrics["modules_replaced"] == 0
+    assert not any(type(m).__module__.startswith("tensor_ops") for m in prepared.modules())
+    assert torch.equal(prepared(ids), ref)
+
+
+def test_prepare_o1_reports_each_swap():
+    model = tiny_llama()
+    n_params = sum(p.numel() for p in model.parameters())
+    keys = list(model.state_dict())
+    params = {n: p for n, p in model.named_parameters()}
+    prepared, result = tt.prepare_model(model, tt.OptimizationLevel.O1)
+    assert prepared is model and result.success and result.warnings == []
+    assert result.optimizations_applied[1:] == ["LlamaMLP -> tensor_ops.torch.SwiGLU x2",
+                                                "RMSNorm -> tensor_ops.torch.RMSNorm x5"]
+    m = result.metrics
+    assert m["parameters"] == n_params and m["modules_replaced"] == 7 and m["time_s"] > 0
+    assert m["replacements"] == {"RMSNorm -> tensor_ops.torch.RMSNorm": 5, "LlamaMLP -> tensor_ops.torch.SwiGLU": 2}
+    assert m["backend"] == "cpu" and m["dtype"] == "torch.float32" and m["parameter_bytes"] == 4 * n_params
+    assert list(prepared.state_dict()) == keys
+    n_tensors = len(list(model.parameters())) + len(list(model.buffers()))
+    assert result.optimizations_applied[0] == f"device placement: cpu (backend cpu), moved 0 of {n_tensors} " \
+                                              "parameter/buffer tensors"
+    assert json.loads(json.dumps(result.to_dict()))["level"] == "O1"
+    # the same Parameter objects: an optimizer built before preparing still trains the model
+    assert all(p is params[n] for n, p in prepared.named_parameters())
+    assert isinstance(prepared.layers[0].mlp, tt.SwiGLU) and isinstance(prepared.norm, tt.RMSNorm)
+    _, again = tt.prepare_model(prepared, "O1")
+    assert again.metrics["modules_replaced"] == 0 and "no module" in again.warnings[0]
+
+
+class LlamaRMSNorm(nn.Module):
+    """HF's LlamaRMSNorm (computes in fp32, casts back)."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+def test_prepare_o1_swaps_hf_norms_activations_and_warns_on_odd_mlps():
+    torch.manual_seed(8)
+    odd = LlamaMLP(8, 16)
+    odd.dropout = nn.Dropout(0.0)
+    relu = LlamaMLP(8, 16)
+    relu.act_fn = nn.ReLU()
+    model = nn.Sequential(LlamaRMSNorm(8), nn.LayerNorm(8), nn.GELU("tanh"), nn.SiLU(), odd, relu)
+    with torch.no_grad():
+        model[0].weight.normal_()
+    x = torch.randn(3, 8)
+    ref = model[1:4](model[0](x))
+    w0 = model[0].weight
+    _, result = tt.prepare_model(model, "conservative")
+    assert result.metrics["replacements"] == {
+        "LlamaRMSNorm -> tensor_ops.torch.RMSNorm": 1, "LayerNorm -> tensor_ops.torch.LayerNorm": 1,
+        "GELU -> tensor_ops.torch.GELU": 1, "SiLU -> tensor_ops.torch.SiLU": 2}  # one inside the skipped MLP
+    assert model[0].weight is w0 and model[0].eps == 1e-6
+    assert rel_err(model[1:4](model[0](x)), ref) < 1e-5
+    assert len(result.warnings) == 2
+    assert "4 (LlamaMLP)" in result.warnings[0] and "dropout" in result.warnings[0]
+    assert "5 (LlamaMLP)" in result.warnings[1] and "ReLU" in result.warnings[1]
+    assert type(model[4]) is LlamaMLP and type(model[5]) is LlamaMLP
+    broken = LlamaRMSNorm(4)
+    broken.variance_epsilon = None
+    _, result = tt.prepare_model(nn.Sequential(broken), "O1")
+    assert type(broken) is LlamaRMSNorm and "float variance_epsilon" in result.warnings[0]
+
+
+def test_prepare_o3_reduced_precision_and_compile():
+    model = tiny_llama(layers=1)
+    ids = torch.randint(0, 96, (2, 8))
+    ref = model(ids)
+    prepared, result = tt.prepare_model(model, "O3", compile_options={"backend": "aot_eager", "fullgraph": True},
+                                        example_inputs=(ids,))
+    assert result.success and result.level is tt.OptimizationLevel.O3
+    assert any("reduced precision" in s and "torch.bfloat16" in s for s in result.optimizations_applied)
+    assert result.optimizations_applied[-1] == "torch.compile (backend=aot_eager, fullgraph=True)"
+    assert result.metrics["dtype"] == "torch.bfloat16" and result.metrics["warmup_s"] > 0
+    out = prepared(ids)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 5e-2
+    x = torch.randn(2, 8)  # floating inputs are cast on entry
+    norm, result = tt.prepare_model(nn.RMSNorm(8), "O3", compile_options={"backend": "eager"})
+    assert isinstance(norm, tt.RMSNorm) and result.metrics["modules_replaced"] == 1
+    assert norm(x).dtype == torch.bfloat16
+    mlp, result = tt.prepare_model(LlamaMLP(8, 16), "O1")  # the model itself replaced
+    assert isinstance(mlp, tt.SwiGLU) and result.metrics["modules_replaced"] == 1
+
+
+def test_prepare_reports_a_failing_example_and_undoes_compile():
+    model = nn.Sequential(nn.Linear(4, 4), nn.SiLU())
+    _, result = tt.prepare_model(model, "O2", compile_options={"backend": "eager"},
+                                 example_inputs=(torch.randn(2, 5),))
+    assert not result.success
+    assert "failed on example_inputs" in result.warnings[0] and result.warnings[1] == "torch.compile undone"
+    assert model(torch.randn(2, 4)).shape == (2, 4)
+
+
+def test_prepare_warns_when_a_host_backend_is_not_the_active_one():
+    for name in tt.list_available_backends():
+        b = tt.BackendFactory.create(name)
+        _, result = tt.prepare_model(nn.SiLU(), "O0", backend=b)
+        expected = b.device.type == "cpu" and name != tensor_ops.get_backend()
+        assert any("host tensors run on the active backend" in w for w in result.warnings) == expected, name
+        with b:
+            _, result = tt.prepare_model(nn.SiLU(), "O0", backend=b)
+        assert result.warnings == []
+
+
+def test_prepare_unusable_backend_raises():
+    unusable = [b.name for b in tensor_ops.backends() if not b.usable]
+    if not unusable:
+        pytest.skip("every backend is usable here")
+    with pytest.raises(tensor_ops.BackendUnavailableError, match=unusable[0]):
+        tt.prepare_model(nn.SiLU(), "O1", backend=unusable[0])
+
+
+# ---- the factory ------------------------------------------------------------------------
+
+def test_backend_type_aliases():
+    B = tt.BackendType
+    assert B.NVIDIA is B.CUDA and B.AMD is B.HIP and B.ROCM is B.HIP
+    assert B.INTEL is B.SYCL and B.XPU is B.SYCL and B.TPU is B.XLA
+    assert B.from_string("NVIDIA") is B.CUDA and B.from_string("rocm") is B.HIP and B.from_string("cpu") is B.CPU
+    with pytest.raises(ValueError, match="valid names: .*cuda.*nvidia"):
+        B.from_string("metal")
+
+
+def test_factory_reflects_the_registry():
+    statuses = {b.name: b for b in tensor_ops.backends()}
+    assert tt.list_available_backends() == tt.BackendFactory.list_available_backends()
+    assert set(tt.list_available_backends()) == {n for n, b in statuses.items() if b.usable}
+    with tensor_ops.use("auto"):
+        assert tt.detect_best_backend().value == tensor_ops.get_backend()
+    info = {i["name"]: i for i in tt.BackendFactory.get_all_backend_info()}
+    assert set(info) == set(statuses)
+    for name, i in info.items():
+        assert i["usable"] == statuses[name].usable and i["reason"] == statuses[name].reason
+        assert len(i["devices"]) == sum(d.backend == name for d in tensor_ops.devices())
+
+
+def test_factory_errors():
+    with pytest.raises(ValueError, match="unknown backend 'metal'; valid names"):
+        tt.BackendFactory.create("metal")
+    for b in tensor_ops.backends():
+        if not b.usable:
+            with pytest.raises(tensor_ops.BackendUnavailableError, match=f"'{b.name}' is not usable: .+"):
+                tt.BackendFactory.create(b.name)
+    with pytest.raises(tensor_ops.BackendUnavailableError, match="not registered"):
+        tt.BackendFactory.create(tt.BackendType.TPU)
+    with pytest.raises(ValueError, match="out of range"):
+        tt.BackendFactory.create("cpu", device_id=5)
+
+
+def test_cpu_backend_object():
+    b = tt.BackendFactory.create(tt.BackendType.CPU)
+    assert b.name == "cpu" and b.type is tt.BackendType.CPU and b.is_available and b.device_count == 1
+    assert b.device == torch.device("cpu")
+    info = b.get_device_info()
+    assert isinstance(info, tensor_ops.DeviceInfo) and info.to_dict()["backend"] == "cpu"
+    assert info == [d for d in tensor_ops.devices() if d.backend == "cpu"][0]
+    assert tt.get_backend().name == tensor_ops.get_backend()
+    t = b.to_device(torch.ones(2))
+    assert t.device.type == "cpu"
+    b.synchronize()
+    b.empty_cache()
+    stats = b.get_memory_stats()
+    assert stats["device_total_bytes"] == info.total_memory_bytes and "allocated_bytes.all.current" in stats
+    with b as entered:
+        assert entered is b and tensor_ops.get_backend() == "cpu"
+        with b:
+            assert tensor_ops.get_backend() == "cpu"
+    assert "cpu" in repr(b)
+
+
+def test_backend_optimize_for_inference_and_training():
+    b = tt.get_backend("cpu")
+    model, result = b.optimize_for_inference(tiny_llama(layers=1), level="O1")
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert result.optimizations_applied[0].startswith("inference mode")
+    assert result.metrics["modules_replaced"] == 4
+    model, result = b.optimize_for_training(nn.Sequential(nn.LayerNorm(4)).eval())
+    assert model.training and result.optimizations_applied[0].startswith("training mode")
+
+
+# ---- validate_model -------------------------------------------------------------------------
+
+def test_validate_model():
+    model = tiny_llama(layers=1)
+    keys = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 96, (2, 8))
+    v = tt.validate_model(model, ids)
+    assert list(v.results) == tt.list_available_backends()
+    assert v.passed == sum(r["passed"] for r in v.results.values()) and v.total == len(v.results)
+    for r in v.results.values():  # another backend may lack an op: then it says which
+        assert r["passed"] or r.get("error") or r["max_rel_error"] > r["tolerance"]
+    r = v.results["cpu"]
+    assert r["passed"] and r["max_rel_error"] < r["tolerance"] == 1e-4 and r["max_abs_error"] >= 0
+    assert all(type(m).__module__ != "tensor_ops.torch.modules" for m in model.modules())
+    assert all(torch.equal(t, keys[k]) for k, t in model.state_dict().items())
+    assert tt.validate_model(model, ids, backends=["cpu"]).all_passed
+    unusable = [b.name for b in tensor_ops.backends() if not b.usable]
+    if unusable:
+        v = tt.validate_model(model, (ids,), backends=["cpu", unusable[0]])
+        assert (v.passed, v.total) == (1, 2) and "not usable" in v.results[unusable[0]]["error"]
+    v = tt.validate_model(model, {"ids": ids}, backends=["cpu"], level="O3", compile_options={"backend": "eager"})
+    assert v.all_passed and v.results["cpu"]["tolerance"] == 4e-2
+    with pytest.raises(ValueError, match="unknown backend"):
+        tt.validate_model(model, ids, backends=["metal"])
+
+
+# ---- acceptance: a small Llama-style model ---------------------------------------------------
+
+def test_llama_o1_same_logits_and_gradients():
+    model = tiny_llama()
+    prepared, result = tt.prepare_model(copy.deepcopy(model), "O1")
+    assert result.metrics["modules_replaced"] == 7
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(9))
+    target = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(10))
+    logits, ref = prepared(ids), model(ids)
+    assert rel_err(logits, ref) < 1e-5
+    F.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
+    F.cross_entropy(ref.flatten(0, 1), target.flatten()).backward()
+    ref_grads = dict(model.named_parameters())
+    for name, p in prepared.named_parameters():
+        assert rel_err(p.grad, ref_grads[name].grad) < 1e-4, name
+
+
+def test_llama_o1_bf16_logits_within_bf16_tolerance():
+    model = tiny_llama().to(torch.bfloat16)
+    prepared, _ = tt.prepare_model(copy.deepcopy(model), "O1")
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(11))
+    assert rel_err(prepared(ids), model.double()(ids)) < 3e-2
+
+
+def test_llama_o1_has_no_graph_break():
+    prepared, _ = tt.prepare_model(tiny_llama(), "O1")
+    explanation = torch._dynamo.explain(prepared)(torch.randint(0, 96, (2, 8)))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+
+def test_llama_o2_compiles_fullgraph_with_inductor():
+    """One real inductor compile (forward and backward; the slowest test)."""
+    model = tiny_llama()
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(12))
+    target = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(13))
+    prepared, result = tt.prepare_model(copy.deepcopy(model), "O2", compile_options={"fullgraph": True})
+    assert result.optimizations_applied[-1] == "torch.compile (fullgraph=True)"
+    logits = prepared(ids)
+    ref = model(ids)
+    assert rel_err(logits, ref) < 1e-5
+    tt.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
+    F.cross_entropy(ref.flatten(0, 1), target.flatten()).backward()
+    ref_grads = dict(model.named_parameters())
+    for name, p in prepared.named_parameters():
+        assert rel_err(p.grad, ref_grads[name].grad) < 1e-4, name
