@@ -1,0 +1,241 @@
+"""The JAX kernels behind tensor_ops.xla: one jitted function per op
+family, traced once per shape, dtype and static option. Inputs arrive
+checked (xla.py); 16-bit floats are computed in fp32 and rounded once."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, List
+
+from .errors import BackendUnavailableError
+
+
+def _jax():
+    try:
+        import jax
+    except ImportError as e:
+        raise BackendUnavailableError("xla backend: jax not installed (pip install jax jaxlib)") from e
+    return jax
+
+
+def _mods():
+    jax = _jax()
+    return jax, jax.numpy, jax.lax
+
+
+def _jit(*static):
+    """jax.jit on first call (not at import: jax is optional)."""
+
+    def deco(fn):
+        holder: List[Any] = []
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if not holder:
+                holder.append(_jax().jit(fn, static_argnames=static))
+            return holder[0](*args, **kwargs)
+
+        return call
+
+    return deco
+
+
+def _acc(a):
+    """fp32 for 16-bit floats; float32 and float64 compute as they are."""
+    jnp = _jax().numpy
+    return a.astype(jnp.float32) if a.dtype.itemsize < 4 else a
+
+
+def _rms(xf, wf, eps):
+    _, jnp, lax = _mods()
+    return xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * wf
+
+
+def _act(xf, act: str):
+    jax, jnp, lax = _mods()
+    if act == "silu":
+        return xf * jax.nn.sigmoid(xf)
+    if act == "tanh":
+        u = math.sqrt(2.0 / math.pi) * (xf + 0.044715 * xf * xf * xf)
+        return 0.5 * xf * (1.0 + jnp.tanh(u))
+    return 0.5 * xf * lax.erfc(-xf * (1.0 / math.sqrt(2.0)))  # erfc keeps the negative tail accurate
+
+
+@_jit()
+def rms_norm(x, w, eps):
+    return _rms(_acc(x), _acc(w), eps).astype(x.dtype)
+
+
+@_jit("act")
+def activation(x, act):
+    return _act(_acc(x), act).astype(x.dtype)
+
+
+@_jit("act")
+def glu(g, u, act):
+    return (_act(_acc(g), act) * _acc(u)).astype(g.dtype)
+
+
+def _ln(xf, wf, bf, eps):
+    _, jnp, lax = _mods()
+    mu = jnp.mean(xf, axis=-1, keepdims=True)
+    d = xf - mu
+    y = d * lax.rsqrt(jnp.mean(d * d, axis=-1, keepdims=True) + eps) * wf
+    return y if bf is None else y + bf
+
+
+@_jit()
+def layer_norm(x, w, b, eps):
+    return _ln(_acc(x), _acc(w), None if b is None else _acc(b), eps).astype(x.dtype)
+
+
+@_jit()
+def add_rms_norm(x, r, w, eps):
+    s = (_acc(x) + _acc(r)).astype(x.dtype)  # normalise the residual as stored
+    return _rms(_acc(s), _acc(w), eps).astype(x.dtype), s
+
+
+def _causal_keep(rows: int, cols: int):
+    """[rows, cols] True where key j is visible to query i (bottom-right aligned)."""
+    jnp = _jax().numpy
+    i = jnp.arange(rows)[:, None]
+    j = jnp.arange(cols)[None, :]
+    return j <= i + (cols - rows)
+
+
+def _masked_softmax(v, keep, log: bool):
+    """softmax / log_softmax of v along the last dim; keep=None keeps all.
+    A row with nothing kept gives zeros (log: -inf), as the native kernels."""
+    jnp = _jax().numpy
+    ninf = -jnp.inf
+    if keep is not None:
+        v = jnp.where(keep, v, ninf)
+    m = jnp.max(v, axis=-1, keepdims=True, initial=ninf)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(v - m)
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    if log:
+        out = v - m - jnp.log(jnp.where(s > 0, s, 1.0))
+        return out if keep is None else jnp.where(keep, out, ninf)
+    return jnp.where(s > 0, e / jnp.where(s > 0, s, 1.0), 0.0)
+
+
+@_jit("causal", "log")
+def softmax(x, scale, causal, log):
+    v = _acc(x) * scale
+    keep = _causal_keep(*x.shape[-2:]) if causal else None
+    return _masked_softmax(v, keep, log).astype(x.dtype)
+
+
+@_jit("interleaved")
+def rope(x, cos, sin, pos, interleaved):
+    jnp = _jax().numpy
+    xf = _acc(x)
+    half = cos.shape[1]
+    # [B or 1, S, 1, half]; an out-of-range position reads NaN.
+    c = jnp.take(_acc(cos), pos, axis=0, mode="fill", fill_value=jnp.nan)[:, :, None, :]
+    s = jnp.take(_acc(sin), pos, axis=0, mode="fill", fill_value=jnp.nan)[:, :, None, :]
+    rest = xf[..., 2 * half:]
+    if interleaved:
+        pairs = xf[..., : 2 * half].reshape(xf.shape[:-1] + (half, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        rot = jnp.stack([a * c - b * s, b * c + a * s], axis=-1).reshape(xf.shape[:-1] + (2 * half,))
+    else:
+        a, b = xf[..., :half], xf[..., half: 2 * half]
+        rot = jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+    return jnp.concatenate([rot, rest], axis=-1).astype(x.dtype)
+
+
+def _attn(qf, kf, vf, scale, causal):
+    """out, lse in the accumulation dtype; q heads grouped over kv heads
+    (q head h reads kv head h // (Hq // Hkv)) without repeating k and v."""
+    jax, jnp, lax = _mods()
+    B, Hq, Lq, D = qf.shape
+    Hkv, Lk = kf.shape[1], kf.shape[2]
+    qg = qf.reshape(B, Hkv, Hq // Hkv, Lq, D)
+    hi = lax.Precision.HIGHEST
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, kf, precision=hi) * scale
+    keep = _causal_keep(Lq, Lk) if causal else None
+    if keep is not None:
+        s = jnp.where(keep, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    lsum = jnp.sum(p, axis=-1, keepdims=True)
+    safe = jnp.where(lsum > 0, lsum, 1.0)
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", p, vf, precision=hi) / safe
+    out = jnp.where(lsum > 0, out, 0.0)
+    lse = jnp.where(lsum[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), -jnp.inf)
+    return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
+
+
+@_jit("causal")
+def attention(q, k, v, scale, causal):
+    jnp = _jax().numpy
+    out, lse = _attn(_acc(q), _acc(k), _acc(v), scale, causal)
+    return out.astype(q.dtype), lse.astype(jnp.float32)
+
+
+@_jit("ignore_index")
+def cross_entropy(logits, target, ignore_index):
+    """Per-row loss (float32) and the gradient of their sum (logits' dtype)."""
+    jax, jnp, _ = _mods()
+    lg = _acc(logits)
+    valid = target != ignore_index
+    t = jnp.where(valid, target, 0)
+    m = jnp.max(lg, axis=-1, keepdims=True)
+    e = jnp.exp(lg - m)
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    picked = jnp.take_along_axis(lg, t[:, None], axis=1, mode="fill", fill_value=jnp.nan)[:, 0]
+    loss = jnp.where(valid, (m + jnp.log(s))[:, 0] - picked, 0.0)
+    grad = e / s - jax.nn.one_hot(t, lg.shape[1], dtype=lg.dtype)
+    grad = jnp.where(valid[:, None], grad, 0.0)
+    return loss.astype(jnp.float32), grad
+
+
+def _vjp(fn, primals, cotangent):
+    """Gradients of fn at primals (computed in the accumulation dtype), each
+    cast back to its primal's dtype."""
+    jax = _jax()
+    _, pullback = jax.vjp(fn, *[_acc(p) for p in primals])
+    return tuple(g.astype(p.dtype) for g, p in zip(pullback(_acc(cotangent)), primals))
+
+
+@_jit()
+def rms_norm_backward(dy, x, w, eps):
+    return _vjp(lambda a, b: _rms(a, b, eps), (x, w), dy)
+
+
+@_jit("bias")
+def layer_norm_backward(dy, x, w, eps, bias):
+    jnp = _jax().numpy
+    dx, dw = _vjp(lambda a, b: _ln(a, b, None, eps), (x, w), dy)
+    db = jnp.sum(_acc(dy).reshape(-1, dy.shape[-1]), axis=0).astype(w.dtype) if bias else None
+    return dx, dw, db
+
+
+@_jit("act")
+def act_backward(dy, x, act):
+    return _vjp(lambda a: _act(a, act), (x,), dy)[0]
+
+
+@_jit("act")
+def glu_backward(dy, g, u, act):
+    return _vjp(lambda a, b: _act(a, act) * b, (g, u), dy)
+
+
+@_jit("log")
+def softmax_backward(dy, y, scale, log):
+    jnp = _jax().numpy
+    g, p = _acc(dy), _acc(y)
+    if log:
+        dx = scale * (g - jnp.exp(p) * jnp.sum(g, axis=-1, keepdims=True))
+    else:
+        dx = scale * p * (g - jnp.sum(g * p, axis=-1, keepdims=True))
+    return dx.astype(y.dtype)
+
+
+@_jit("causal")
+def attention_backward(dout, q, k, v, scale, causal):
+    # Recomputes the forward (the XLA way) instead of reading out and lse.
+    return _vjp(lambda a, b, c: _attn(a, b, c, scale, causal)[0], (q, k, v), dout)
