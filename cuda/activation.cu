@@ -1,5 +1,7 @@
-// Elementwise activations: silu and gelu (erf and tanh forms), fp32 math for
-// every storage type, written as the CPU reference writes them.
+// Elementwise ops: silu and gelu (erf and tanh forms), their backward, and
+// the gated units (swiglu / geglu) forward and backward. One kernel pair
+// serves them all: NI inputs -> NO outputs through an fp32 functor, written
+// as the CPU reference writes the math.
 #include <algorithm>
 
 #include "common.cuh"
@@ -7,99 +9,194 @@
 namespace tensor_ops::gpu {
 namespace {
 
-struct Silu {
-  __device__ float operator()(float v) const { return v / (1.0f + expf(-v)); }
+// The activation ids of ops.h: 0 silu, 1 gelu (erf), 2 gelu (tanh).
+__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+__device__ __forceinline__ float act_forward(int act, float v) {
+  if (act == 0) return v / (1.0f + expf(-v));
+  if (act == 1) return 0.5f * v * erfcf(v * -0.70710678118654752f);
+  // 0.5 x (1 + tanh(u)) == x * sigmoid(2u): no cancellation for small u.
+  const float u = 0.79788456080286536f * (v + 0.044715f * v * v * v);
+  return v / (1.0f + expf(-2.0f * u));
+}
+
+// d act / dv
+__device__ __forceinline__ float act_grad(int act, float v) {
+  if (act == 0) {
+    const float s = sigmoid(v);
+    return s * (1.0f + v * (1.0f - s));
+  }
+  if (act == 1) {
+    const float cdf = 0.5f * erfcf(v * -0.70710678118654752f);
+    return cdf + v * 0.39894228040143268f * expf(-0.5f * v * v);
+  }
+  const float k = 0.79788456080286536f;
+  const float u = k * (v + 0.044715f * v * v * v);
+  const float s = sigmoid(2.0f * u);
+  return s + v * s * (1.0f - s) * 2.0f * k * (1.0f + 3.0f * 0.044715f * v * v);
+}
+
+// y = act(x)
+struct Activate {
+  static constexpr int kIn = 1, kOut = 1;
+  int act;
+  __device__ void operator()(const float (&in)[1], float (&out)[1]) const { out[0] = act_forward(act, in[0]); }
 };
-struct GeluErf {
-  __device__ float operator()(float v) const { return 0.5f * v * erfcf(v * -0.70710678118654752f); }
+// in dy, x -> dx
+struct ActivateBackward {
+  static constexpr int kIn = 2, kOut = 1;
+  int act;
+  __device__ void operator()(const float (&in)[2], float (&out)[1]) const { out[0] = in[0] * act_grad(act, in[1]); }
 };
-// 0.5 x (1 + tanh(u)) == x * sigmoid(2u): no cancellation for small u.
-struct GeluTanh {
-  __device__ float operator()(float v) const {
-    const float u = 0.79788456080286536f * (v + 0.044715f * v * v * v);
-    return v / (1.0f + expf(-2.0f * u));
+// in gate, up -> act(gate) * up
+struct Gated {
+  static constexpr int kIn = 2, kOut = 1;
+  int act;
+  __device__ void operator()(const float (&in)[2], float (&out)[1]) const {
+    out[0] = act_forward(act, in[0]) * in[1];
+  }
+};
+// in dy, gate, up -> dgate, dup
+struct GatedBackward {
+  static constexpr int kIn = 3, kOut = 2;
+  int act;
+  __device__ void operator()(const float (&in)[3], float (&out)[2]) const {
+    out[0] = in[0] * in[2] * act_grad(act, in[1]);
+    out[1] = in[0] * act_forward(act, in[1]);
   }
 };
 
+// The views of one call: element 0 and row stride of each input and output.
 template <class T, class Op>
-__device__ __forceinline__ T apply(Op op, T v) {
-  return from_f32<T>(op(to_f32(v)));
+struct Views {
+  const T* in[Op::kIn];
+  T* out[Op::kOut];
+  int64_t in_stride[Op::kIn];
+  int64_t out_stride[Op::kOut];
+};
+
+// Element e of every view through op (e counts from each view's element 0).
+template <class T, class Op>
+__device__ __forceinline__ void apply_flat(const Views<T, Op>& v, const Op& op, int64_t e) {
+  float a[Op::kIn], b[Op::kOut];
+#pragma unroll
+  for (int k = 0; k < Op::kIn; ++k) a[k] = to_f32(v.in[k][e]);
+  op(a, b);
+#pragma unroll
+  for (int k = 0; k < Op::kOut; ++k) v.out[k][e] = from_f32<T>(b[k]);
 }
 
-// A contiguous span whose x and y share their offset from a 16-byte
-// boundary: `head` single elements up to that boundary, then 16-byte chunks,
-// then fewer than V single elements. Grid-stride over the chunks.
+// Contiguous views that share their offset from a 16-byte boundary: `head`
+// single elements up to that boundary, then 16-byte chunks, then fewer than
+// V single elements. Grid-stride over the chunks. Every element is read and
+// written by one thread, so an output may be an input (in place).
 template <class T, class Op>
-__global__ void unary_span_kernel(const T* x, T* y, int64_t n, int64_t head, Op op) {
+__global__ void elementwise_span_kernel(Views<T, Op> v, int64_t n, int64_t head, Op op) {
   constexpr int V = 16 / sizeof(T);
-  using Chunk = Vec<T, V>;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t chunks = (n - head) / V;
-  const Chunk* xc = reinterpret_cast<const Chunk*>(x + head);
-  Chunk* yc = reinterpret_cast<Chunk*>(y + head);
   for (int64_t i = tid; i < chunks; i += stride) {
-    Chunk a = xc[i];
+    float a[Op::kIn][V], b[Op::kOut][V];
 #pragma unroll
-    for (int k = 0; k < V; ++k) a.v[k] = apply(op, a.v[k]);
-    yc[i] = a;
+    for (int k = 0; k < Op::kIn; ++k) load_chunk(v.in[k] + head, i, a[k]);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      float x[Op::kIn], y[Op::kOut];
+#pragma unroll
+      for (int k = 0; k < Op::kIn; ++k) x[k] = a[k][j];
+      op(x, y);
+#pragma unroll
+      for (int k = 0; k < Op::kOut; ++k) b[k][j] = y[k];
+    }
+#pragma unroll
+    for (int k = 0; k < Op::kOut; ++k) store_chunk(v.out[k] + head, i, b[k]);
   }
   const int64_t tail = head + chunks * V;  // head < V and n - tail < V
-  if (tid < head) y[tid] = apply(op, x[tid]);
-  if (tail + tid < n) y[tail + tid] = apply(op, x[tail + tid]);
+  if (tid < head) apply_flat(v, op, tid);
+  if (tail + tid < n) apply_flat(v, op, tail + tid);
 }
 
 // Any other layout: rows with their own strides, one element at a time.
 // blockIdx.y strides over rows, the x dimension over columns.
 template <class T, class Op>
-__global__ void unary_rows_kernel(const T* x, int64_t x_stride, T* y, int64_t y_stride, int64_t rows, int64_t cols,
-                                  Op op) {
+__global__ void elementwise_rows_kernel(Views<T, Op> v, int64_t rows, int64_t cols, Op op) {
   const int64_t c0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t c_step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
-    for (int64_t c = c0; c < cols; c += c_step) y[r * y_stride + c] = apply(op, x[r * x_stride + c]);
+    for (int64_t c = c0; c < cols; c += c_step) {
+      float a[Op::kIn], b[Op::kOut];
+#pragma unroll
+      for (int k = 0; k < Op::kIn; ++k) a[k] = to_f32(v.in[k][r * v.in_stride[k] + c]);
+      op(a, b);
+#pragma unroll
+      for (int k = 0; k < Op::kOut; ++k) v.out[k][r * v.out_stride[k] + c] = from_f32<T>(b[k]);
+    }
 }
 
 constexpr int kThreads = 256;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 template <class T, class Op>
-to_status unary_typed(const to_op_call* c, cudaStream_t stream, Op op) {
-  const to_tensor &xt = c->inputs[0], &yt = c->outputs[0];
-  const T* x = element0<const T>(xt);
-  T* y = element0<T>(yt);
-  const int64_t rows = xt.shape[0], cols = xt.shape[1];
-  const int64_t xs = xt.strides[0], ys = yt.strides[0];
-  const bool contiguous = rows == 1 || (xs == cols && ys == cols);
-  const uintptr_t x_mis = reinterpret_cast<uintptr_t>(x) % 16, y_mis = reinterpret_cast<uintptr_t>(y) % 16;
-  if (contiguous && x_mis == y_mis && x_mis % sizeof(T) == 0) {
+to_status elementwise_typed(const to_op_call* c, cudaStream_t stream, Op op) {
+  Views<T, Op> v;
+  const int64_t rows = c->inputs[0].shape[0], cols = c->inputs[0].shape[1];
+  bool contiguous = true, same_offset = true;
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(element0<const T>(c->inputs[0])) % 16;
+  auto note = [&](const to_tensor& t, int64_t& stride) {
+    stride = t.strides[0];
+    contiguous = contiguous && (rows == 1 || stride == cols);
+    same_offset = same_offset && reinterpret_cast<uintptr_t>(element0<const T>(t)) % 16 == mis;
+  };
+  for (int k = 0; k < Op::kIn; ++k) {
+    v.in[k] = element0<const T>(c->inputs[k]);
+    note(c->inputs[k], v.in_stride[k]);
+  }
+  for (int k = 0; k < Op::kOut; ++k) {
+    v.out[k] = element0<T>(c->outputs[k]);
+    note(c->outputs[k], v.out_stride[k]);
+  }
+  if (contiguous && same_offset && mis % sizeof(T) == 0) {
     constexpr int V = 16 / sizeof(T);
     const int64_t n = rows * cols;
-    const int64_t head = std::min<int64_t>(n, int64_t((16 - x_mis) % 16 / sizeof(T)));
+    const int64_t head = std::min<int64_t>(n, int64_t((16 - mis) % 16 / sizeof(T)));
     const int64_t blocks = std::clamp<int64_t>(ceil_div((n - head) / V, kThreads), 1, kMaxGridBlocks);
-    unary_span_kernel<T><<<unsigned(blocks), kThreads, 0, stream>>>(x, y, n, head, op);
+    elementwise_span_kernel<T><<<unsigned(blocks), kThreads, 0, stream>>>(v, n, head, op);
   } else {
     const dim3 grid(unsigned(std::min<int64_t>(ceil_div(cols, kThreads), 64)),
                     unsigned(std::min<int64_t>(rows, kMaxGridBlocks)));
-    unary_rows_kernel<T><<<grid, kThreads, 0, stream>>>(x, xs, y, ys, rows, cols, op);
+    elementwise_rows_kernel<T><<<grid, kThreads, 0, stream>>>(v, rows, cols, op);
   }
   TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
   return TO_OK;
 }
 
 template <class Op>
-to_status launch_unary(const to_op_call* call, cudaStream_t stream, Op op) {
-  return with_dtype(call->inputs[0].dtype, [&](auto tag) { return unary_typed<decltype(tag)>(call, stream, op); });
+to_status launch_elementwise(const to_op_call* call, cudaStream_t stream, Op op) {
+  return with_dtype(call->inputs[0].dtype,
+                    [&](auto tag) { return elementwise_typed<decltype(tag)>(call, stream, op); });
 }
 
 }  // namespace
 
-to_status launch_silu(const to_op_call* call, cudaStream_t stream) { return launch_unary(call, stream, Silu{}); }
+to_status launch_silu(const to_op_call* call, cudaStream_t stream) {
+  return launch_elementwise(call, stream, Activate{0});
+}
 
+// ints[0]: 0 erf, 1 tanh; as activation ids 1 and 2.
 to_status launch_gelu(const to_op_call* call, cudaStream_t stream) {
-  if (call->ints[0] == 1) return launch_unary(call, stream, GeluTanh{});
-  return launch_unary(call, stream, GeluErf{});
+  return launch_elementwise(call, stream, Activate{call->ints[0] == 1 ? 2 : 1});
+}
+
+to_status launch_activation_backward(const to_op_call* call, cudaStream_t stream) {
+  return launch_elementwise(call, stream, ActivateBackward{int(call->ints[0])});
+}
+
+to_status launch_glu(const to_op_call* call, cudaStream_t stream) {
+  return launch_elementwise(call, stream, Gated{int(call->ints[0])});
+}
+
+to_status launch_glu_backward(const to_op_call* call, cudaStream_t stream) {
+  return launch_elementwise(call, stream, GatedBackward{int(call->ints[0])});
 }
 
 }  // namespace tensor_ops::gpu

@@ -211,6 +211,19 @@ to_backend_v1 make_table() {
   t.kernels[int(OpId::rms_norm)] = run<launch_rms_norm>;
   t.kernels[int(OpId::silu)] = run<launch_silu>;
   t.kernels[int(OpId::gelu)] = run<launch_gelu>;
+  t.kernels[int(OpId::layer_norm)] = run<launch_layer_norm>;
+  t.kernels[int(OpId::rms_norm_backward)] = run<launch_rms_norm_backward>;
+  t.kernels[int(OpId::layer_norm_backward)] = run<launch_layer_norm_backward>;
+  t.kernels[int(OpId::add_rms_norm)] = run<launch_add_rms_norm>;
+  t.kernels[int(OpId::softmax)] = run<launch_softmax>;
+  t.kernels[int(OpId::softmax_backward)] = run<launch_softmax_backward>;
+  t.kernels[int(OpId::activation_backward)] = run<launch_activation_backward>;
+  t.kernels[int(OpId::glu)] = run<launch_glu>;
+  t.kernels[int(OpId::glu_backward)] = run<launch_glu_backward>;
+  t.kernels[int(OpId::rope)] = run<launch_rope>;
+  t.kernels[int(OpId::attention)] = run<launch_attention>;
+  t.kernels[int(OpId::attention_backward)] = run<launch_attention_backward>;
+  t.kernels[int(OpId::cross_entropy)] = run<launch_cross_entropy>;
   return t;
 }
 

@@ -17,7 +17,9 @@
 #endif
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <type_traits>
 
 #include "tensor_ops/plugin.h"
 
@@ -89,10 +91,121 @@ to_status with_dtype(int32_t dtype, F&& f) {
   return fail(TO_ERR_UNSUPPORTED, "dtype " + std::to_string(dtype) + " is not float32, float16 or bfloat16");
 }
 
-// Kernel launchers (norm.cu, activation.cu): the core has validated the call.
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Threads for one block per row: enough for one chunk each up to 1024, whole 64s.
+inline int row_block_threads(int64_t chunks) {
+  const int64_t n = ceil_div(chunks, kBlockMultiple) * kBlockMultiple;
+  return int(n < kBlockMultiple ? kBlockMultiple : (n > kMaxBlockThreads ? kMaxBlockThreads : n));
+}
+
+// Blocks for one block per row; kernels stride over the rows past the grid.
+inline unsigned row_blocks(int64_t rows) { return unsigned(rows < kMaxGridBlocks ? rows : kMaxGridBlocks); }
+
+// Whether the row kernels may move 16-byte chunks: every view's element 0 and
+// row stride (when there is more than one row) on 16-byte boundaries and cols
+// a whole number of chunks. Absent optional views (data == NULL) pass.
+inline bool rows_aligned16(std::initializer_list<const to_tensor*> views, size_t item) {
+  for (const to_tensor* t : views) {
+    if (!t->data) continue;
+    const int64_t chunk = int64_t(16 / item);
+    if (t->shape[1] % chunk != 0 || !aligned16(element0<const char>(*t))) return false;
+    if (t->shape[0] > 1 && t->strides[0] % chunk != 0) return false;
+  }
+  return true;
+}
+
+// Runs f(std::integral_constant<int, V>{}) with V = 16 / sizeof(T) (16-byte
+// chunks) when vec, else V = 1: both paths of one kernel.
+template <class T, class F>
+to_status with_chunk(bool vec, F&& f) {
+  if (vec) return f(std::integral_constant<int, int(16 / sizeof(T))>{});
+  return f(std::integral_constant<int, 1>{});
+}
+
+// Stream-ordered device memory for one call (partial sums, an error flag):
+// cudaMallocAsync where the device has memory pools, else cudaMalloc. Freed
+// in stream order when the owner goes out of scope.
+class DeviceScratch {
+ public:
+  explicit DeviceScratch(cudaStream_t stream) : stream_(stream) {}
+  DeviceScratch(const DeviceScratch&) = delete;
+  DeviceScratch& operator=(const DeviceScratch&) = delete;
+  ~DeviceScratch() {
+    if (!ptr_) return;
+    // Nothing to report a failure to here; the next call's check sees it.
+    if (async_)
+      (void)cudaFreeAsync(ptr_, stream_);
+    else
+      (void)cudaFree(ptr_);  // waits for the device, so the kernels are done
+  }
+  to_status allocate(size_t bytes) {
+    cudaError_t err = cudaMallocAsync(&ptr_, bytes, stream_);
+    if (err == cudaErrorNotSupported) {
+      (void)cudaGetLastError();  // clears it: the fallback below is the answer
+      async_ = false;
+      err = cudaMalloc(&ptr_, bytes);
+    }
+    if (err != cudaSuccess) {
+      ptr_ = nullptr;
+      return fail(async_ ? "cudaMallocAsync(&ptr, bytes, stream)" : "cudaMalloc(&ptr, bytes)", err, __FILE__,
+                  __LINE__);
+    }
+    return TO_OK;
+  }
+  template <class T>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  cudaStream_t stream_;
+  void* ptr_ = nullptr;
+  bool async_ = true;
+};
+
+// The kernels that index tables with values from the data (rope's positions,
+// cross-entropy's targets) raise a device flag for a bad one. check() waits
+// for the stream and returns the flag: the CPU backend's error, same message.
+class BadIndexFlag {
+ public:
+  explicit BadIndexFlag(cudaStream_t stream) : stream_(stream), scratch_(stream) {}
+  to_status allocate() {
+    if (to_status s = scratch_.allocate(sizeof(int)); s != TO_OK) return s;
+    TENSOR_OPS_CUDA_CHECK(cudaMemsetAsync(scratch_.get<int>(), 0, sizeof(int), stream_));
+    return TO_OK;
+  }
+  int* device() const { return scratch_.get<int>(); }
+  to_status check(const std::string& message) {
+    int raised = 0;
+    TENSOR_OPS_CUDA_CHECK(cudaMemcpyAsync(&raised, device(), sizeof(int), cudaMemcpyDeviceToHost, stream_));
+    TENSOR_OPS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return raised ? fail(TO_ERR_INVALID_ARGUMENT, message) : TO_OK;
+  }
+
+ private:
+  cudaStream_t stream_;
+  DeviceScratch scratch_;
+};
+
+// Kernel launchers, one per op (norm.cu, activation.cu, softmax.cu, rope.cu,
+// attention.cu): the core has validated the call.
 to_status launch_rms_norm(const to_op_call* call, cudaStream_t stream);
+to_status launch_layer_norm(const to_op_call* call, cudaStream_t stream);
+to_status launch_add_rms_norm(const to_op_call* call, cudaStream_t stream);
+to_status launch_rms_norm_backward(const to_op_call* call, cudaStream_t stream);
+to_status launch_layer_norm_backward(const to_op_call* call, cudaStream_t stream);
 to_status launch_silu(const to_op_call* call, cudaStream_t stream);
 to_status launch_gelu(const to_op_call* call, cudaStream_t stream);
+to_status launch_activation_backward(const to_op_call* call, cudaStream_t stream);
+to_status launch_glu(const to_op_call* call, cudaStream_t stream);
+to_status launch_glu_backward(const to_op_call* call, cudaStream_t stream);
+to_status launch_softmax(const to_op_call* call, cudaStream_t stream);
+to_status launch_softmax_backward(const to_op_call* call, cudaStream_t stream);
+to_status launch_cross_entropy(const to_op_call* call, cudaStream_t stream);
+to_status launch_rope(const to_op_call* call, cudaStream_t stream);
+to_status launch_attention(const to_op_call* call, cudaStream_t stream);
+to_status launch_attention_backward(const to_op_call* call, cudaStream_t stream);
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 
@@ -120,9 +233,36 @@ struct alignas(sizeof(T) * V) Vec {
   T v[V];
 };
 
+constexpr float kNegInf = -__builtin_inff();
+
+__device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// Chunk i (V elements) of a row, as fp32, and back.
+template <class T, int V>
+__device__ __forceinline__ void load_chunk(const T* row, int64_t i, float (&out)[V]) {
+  const Vec<T, V> c = reinterpret_cast<const Vec<T, V>*>(row)[i];
+#pragma unroll
+  for (int k = 0; k < V; ++k) out[k] = to_f32(c.v[k]);
+}
+
+template <class T, int V>
+__device__ __forceinline__ void store_chunk(T* row, int64_t i, const float (&in)[V]) {
+  Vec<T, V> c;
+#pragma unroll
+  for (int k = 0; k < V; ++k) c.v[k] = from_f32<T>(in[k]);
+  reinterpret_cast<Vec<T, V>*>(row)[i] = c;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
 
@@ -142,6 +282,42 @@ __device__ __forceinline__ float block_sum(float v) {
   }
   __syncthreads();
   return total;
+}
+
+// Maximum over the block, as block_sum.
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float partial[kMaxWarps];
+  __shared__ float total;
+  const int lane = int(threadIdx.x) % kWarpSize, warp = int(threadIdx.x) / kWarpSize;
+  v = warp_max(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = int(blockDim.x) / kWarpSize;
+    v = warp_max(lane < warps ? partial[lane] : kNegInf);
+    if (lane == 0) total = v;
+  }
+  __syncthreads();
+  return total;
+}
+
+// Merges per-thread online-softmax states (max m, sum s of exp(v - m)) over
+// the block: returns the row max, *sum gets the sum of exp(v - max).
+__device__ __forceinline__ float block_max_sum(float m, float s, float* sum) {
+  const float row_max = block_max(m);
+  // s == 0: nothing seen (m may be -inf); never exp(-inf - -inf).
+  *sum = block_sum(s == 0.0f ? 0.0f : s * expf(m - row_max));
+  return row_max;
+}
+
+// One online-softmax step: v joins the state (m, s).
+__device__ __forceinline__ void online_add(float v, float& m, float& s) {
+  if (v > m) {
+    s = s * expf(m - v) + 1.0f;
+    m = v;
+  } else if (v != kNegInf) {  // -inf adds nothing (and -inf - -inf is NaN)
+    s += expf(v - m);
+  }
 }
 
 #endif  // device code

@@ -11,13 +11,20 @@ import re
 import numpy as np
 import pytest
 
+import math
+
 import tensor_ops
-from conftest import DTYPES, assert_close, np_dtype, ref_gelu, ref_rms_norm, ref_silu, torch
+from conftest import DTYPES, assert_close, np_dtype, ref_gelu, ref_rms_norm, ref_silu, to64, torch
+from test_ops_llm import (grad_close, ref_attention, ref_cross_entropy, ref_layer_norm, ref_rope, ref_softmax,
+                          rope_tables)
 
 GPU_BACKENDS = ["cuda", "hip"]
 PRIORITY = {"cuda": 100, "hip": 90}
 TO_OK, TO_ERR_INVALID_ARGUMENT, TO_ERR_BACKEND_UNAVAILABLE, TO_ERR_DEVICE = 0, 1, 3, 5
-OP_IDS = {"rms_norm": 0, "silu": 1, "gelu": 2}
+# ops.def: every op has a kernel in the GPU plugins.
+OP_IDS = {"rms_norm": 0, "silu": 1, "gelu": 2, "layer_norm": 3, "rms_norm_backward": 4, "layer_norm_backward": 5,
+          "add_rms_norm": 6, "softmax": 7, "softmax_backward": 8, "activation_backward": 9, "glu": 10,
+          "glu_backward": 11, "rope": 12, "attention": 13, "attention_backward": 14, "cross_entropy": 15}
 
 
 def status(name):
@@ -91,7 +98,7 @@ class _View(ctypes.Structure):
 class _OpCall(ctypes.Structure):
     _fields_ = [("op", ctypes.c_int32), ("n_inputs", ctypes.c_int32), ("n_outputs", ctypes.c_int32),
                 ("inputs", _View * 8), ("outputs", _View * 8), ("scalars", ctypes.c_double * 4),
-                ("ints", ctypes.c_int64 * 4), ("stream", ctypes.c_void_p)]
+                ("ints", ctypes.c_int64 * 8), ("stream", ctypes.c_void_p)]
 
 
 class _DeviceInfo(ctypes.Structure):
@@ -281,3 +288,280 @@ def test_devices_and_staging(usable, rng):
         assert_close(y, ref_rms_norm(x, w), dtype, f"staged rms_norm {dtype}")
         assert (z.numpy().astype(np.float32) == 0).all()
         assert_close(t.numpy(), ref_silu(x), dtype, f"resident silu {dtype}")
+
+
+# --- the LLM op set on torch device tensors vs float64 (and torch autograd) ---
+
+def _dev_tensor(rng, shape, dtype, dev, scale=1.0):
+    v = (rng.standard_normal(shape) * scale).astype(np.float32)
+    return torch.from_numpy(v).to(getattr(torch, dtype)).to(dev)
+
+
+def _rows(rng, rows, cols, dtype, dev, layout, scale=1.0):
+    """[rows, cols] device tensors: contiguous, rows strided by cols + 8
+    ("row_slice", the scalar path) or one element past a 16-byte boundary
+    ("offset")."""
+    if layout == "row_slice":
+        return _dev_tensor(rng, (rows, cols + 8), dtype, dev, scale)[:, :cols]
+    if layout == "offset":
+        return _dev_tensor(rng, (rows * cols + 1,), dtype, dev, scale)[1:].view(rows, cols)
+    return _dev_tensor(rng, (rows, cols), dtype, dev, scale)
+
+
+def _assert_close_inf(got, ref, dtype, what, factor=None):
+    """assert_close (grad_close with a factor) where ref may hold -inf
+    (masked log_softmax, lse): those places must be -inf exactly."""
+    g = to64(got)
+    inf = np.isneginf(ref)
+    assert (np.isneginf(g) == inf).all(), f"{what}: -inf at {np.argwhere(np.isneginf(g) != inf)[:5].tolist()}"
+    g, ref = np.where(inf, 0.0, g), np.where(inf, 0.0, ref)
+    if factor is None:
+        assert_close(g, ref, dtype, what)
+    else:
+        grad_close(g, torch.from_numpy(ref), dtype, what, factor)
+
+
+ROW_SHAPES = [(1, 1), (3, 7), (4, 64), (6, 4099), (2, 8192), (2, 8193), (70000, 8)]
+ROW_LAYOUTS = ["contiguous", "row_slice", "offset"]
+
+
+@pytest.mark.parametrize("layout", ROW_LAYOUTS)
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_norms(usable, dtype, shape, layout, rng):
+    dev = _torch_device_for(usable.name)
+    rows, cols = shape
+    x, r = _rows(rng, rows, cols, dtype, dev, layout, 3), _rows(rng, rows, cols, dtype, dev, layout)
+    w, b = _dev_tensor(rng, (cols,), dtype, dev), _dev_tensor(rng, (cols,), dtype, dev)
+    what = f"{usable.name} {dtype} {rows}x{cols} {layout}"
+    assert_close(tensor_ops.layer_norm(x, w, b, 1e-5), ref_layer_norm(x, w, b, 1e-5), dtype, "layer_norm " + what)
+    assert_close(tensor_ops.layer_norm(x, w, None, 1e-5), ref_layer_norm(x, w, None, 1e-5), dtype,
+                 "layer_norm no bias " + what)
+    y, res = tensor_ops.add_rms_norm(x, r, w, 1e-6)
+    torch.cuda.synchronize()
+    s = (x.float() + r.float()).to(x.dtype)  # the stored residual
+    assert_close(res, to64(s), dtype, "add_rms_norm residual " + what)
+    assert_close(y, ref_rms_norm(s, w, 1e-6), dtype, "add_rms_norm " + what)
+    expect = ref_layer_norm(x, w, b, 1e-5)
+    y = tensor_ops.layer_norm(x, w, b, 1e-5, out=x)  # in place
+    torch.cuda.synchronize()
+    assert y is x
+    assert_close(y, expect, dtype, "layer_norm in place " + what)
+
+
+@pytest.mark.parametrize("layout", ROW_LAYOUTS)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (6, 4099), (2, 8192), (300, 33)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_norm_grads(usable, dtype, shape, layout, rng):
+    dev = _torch_device_for(usable.name)
+    F = torch.nn.functional
+    rows, cols = shape
+    x, dy = _rows(rng, rows, cols, dtype, dev, layout), _rows(rng, rows, cols, dtype, dev, layout)
+    w, b = _dev_tensor(rng, (cols,), dtype, dev), _dev_tensor(rng, (cols,), dtype, dev)
+    t64 = lambda a: torch.tensor(to64(a), requires_grad=True)  # noqa: E731
+    tx, tw = t64(x), t64(w)
+    F.rms_norm(tx, (cols,), tw, 1e-6).backward(torch.tensor(to64(dy)))
+    dx, dw = tensor_ops.rms_norm_backward(dy, x, w, 1e-6)
+    torch.cuda.synchronize()
+    assert dx.device == dev and dw.device == dev
+    grad_close(dx, tx.grad, dtype, "rms dx")
+    grad_close(dw, tw.grad, dtype, "rms dw")
+    # dweight is a fixed-order two-stage sum: the same bits every run
+    assert torch.equal(dw, tensor_ops.rms_norm_backward(dy, x, w, 1e-6)[1])
+    tx, tw, tb = t64(x), t64(w), t64(b)
+    F.layer_norm(tx, (cols,), tw, tb, 1e-5).backward(torch.tensor(to64(dy)))
+    dx, dw, db = tensor_ops.layer_norm_backward(dy, x, w, 1e-5)
+    torch.cuda.synchronize()
+    grad_close(dx, tx.grad, dtype, "ln dx")
+    grad_close(dw, tw.grad, dtype, "ln dw")
+    grad_close(db, tb.grad, dtype, "ln db")
+
+
+def test_gpu_norm_grads_no_rows(usable):
+    dev = _torch_device_for(usable.name)
+    e, w = torch.ones((0, 19), device=dev), torch.ones(19, device=dev)
+    dx, dw, db = tensor_ops.layer_norm_backward(e, e, w)
+    torch.cuda.synchronize()
+    assert dx.shape == (0, 19) and (dw == 0).all() and (db == 0).all()
+
+
+SOFTMAX_SHAPES = [(3, 1), (2, 7), (4, 64), (2, 4095), (1, 8193), (2, 3, 5, 9), (4, 6, 64), (3, 5, 3), (70000, 8)]
+
+
+@pytest.mark.parametrize("shape", SOFTMAX_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_softmax(usable, dtype, shape, rng):
+    dev = _torch_device_for(usable.name)
+    x = _dev_tensor(rng, shape, dtype, dev, 4)
+    what = f"{usable.name} {dtype} {shape}"
+    assert_close(tensor_ops.softmax(x, scale=0.5), ref_softmax(x, 0.5), dtype, "softmax " + what)
+    assert_close(tensor_ops.log_softmax(x), ref_softmax(x, log=True), dtype, "log_softmax " + what)
+    if len(shape) >= 2:  # (3, 5, 3): 5 queries, 3 keys: rows 0, 1 fully masked -> 0 / -inf
+        assert_close(tensor_ops.softmax(x, causal=True), ref_softmax(x, causal=True), dtype, "causal " + what)
+        ref = ref_softmax(x, 0.7, causal=True, log=True)  # NaN on rows that see nothing: -inf there
+        _assert_close_inf(tensor_ops.log_softmax(x, scale=0.7, causal=True), np.where(np.isnan(ref), -np.inf, ref),
+                          dtype, "causal log " + what)
+        strided = x[..., : shape[-1] - 1] if shape[-1] > 1 else x
+        assert_close(tensor_ops.softmax(strided), ref_softmax(strided), dtype, "row_slice " + what)
+    dy = _dev_tensor(rng, shape, dtype, dev)
+    for log in (False, True):
+        y = tensor_ops.log_softmax(x, scale=0.7) if log else tensor_ops.softmax(x, scale=0.7)
+        bwd = tensor_ops.log_softmax_backward if log else tensor_ops.softmax_backward
+        dx = bwd(dy, y, scale=0.7)
+        torch.cuda.synchronize()
+        # The op's definition on the stored y, in float64 ...
+        y64, g64 = to64(y), to64(dy)
+        ref = (g64 - np.exp(y64) * g64.sum(-1, keepdims=True)) if log else y64 * (g64 - (g64 * y64).sum(-1, keepdims=True))
+        grad_close(dx, torch.from_numpy(0.7 * ref), dtype, f"softmax backward log={log} " + what)
+        if dtype == "float32":  # ... and torch autograd from x (16-bit y rounding moves the result off that)
+            tx = torch.tensor(to64(x), requires_grad=True)
+            (torch.log_softmax(0.7 * tx, -1) if log else torch.softmax(0.7 * tx, -1)).backward(torch.tensor(g64))
+            grad_close(dx, tx.grad, dtype, f"softmax backward vs autograd log={log} " + what)
+
+
+@pytest.mark.parametrize("layout", ROW_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_gated_and_activation_grads(usable, dtype, layout, rng):
+    dev = _torch_device_for(usable.name)
+    F = torch.nn.functional
+    for rows, cols in [(1, 1), (3, 7), (5, 77), (4, 4099)]:
+        g, u, dy = (_rows(rng, rows, cols, dtype, dev, layout, 3) for _ in range(3))
+        what = f"{usable.name} {dtype} {rows}x{cols} {layout}"
+        assert_close(tensor_ops.swiglu(g, u), ref_silu(g) * to64(u), dtype, "swiglu " + what)
+        assert_close(tensor_ops.geglu(g, u), ref_gelu(g) * to64(u), dtype, "geglu " + what)
+        assert_close(tensor_ops.geglu(g, u, "tanh"), ref_gelu(g, "tanh") * to64(u), dtype, "geglu tanh " + what)
+        for name, f, ours in [
+            ("silu", F.silu, lambda: tensor_ops.silu_backward(dy, g)),
+            ("gelu", F.gelu, lambda: tensor_ops.gelu_backward(dy, g)),
+            ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"), lambda: tensor_ops.gelu_backward(dy, g, "tanh")),
+        ]:
+            tx = torch.tensor(to64(g), requires_grad=True)
+            f(tx).backward(torch.tensor(to64(dy)))
+            grad_close(ours(), tx.grad, dtype, name + " backward " + what)
+        for name, f, ours in [
+            ("swiglu", F.silu, lambda: tensor_ops.swiglu_backward(dy, g, u)),
+            ("geglu", F.gelu, lambda: tensor_ops.geglu_backward(dy, g, u)),
+            ("geglu_tanh", lambda t: F.gelu(t, approximate="tanh"),
+             lambda: tensor_ops.geglu_backward(dy, g, u, "tanh")),
+        ]:
+            tg, tu = torch.tensor(to64(g), requires_grad=True), torch.tensor(to64(u), requires_grad=True)
+            (f(tg) * tu).backward(torch.tensor(to64(dy)))
+            dg, du = ours()
+            torch.cuda.synchronize()
+            grad_close(dg, tg.grad, dtype, name + " dgate " + what)
+            grad_close(du, tu.grad, dtype, name + " dup " + what)
+    expect = ref_silu(g) * to64(u)
+    out = tensor_ops.swiglu(g, u, out=g)  # in place
+    torch.cuda.synchronize()
+    assert out is g
+    assert_close(out, expect, dtype, "swiglu in place")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", [(2, 5, 3, 8, 8), (1, 7, 2, 64, 32), (3, 1, 1, 6, 2), (1, 3, 5, 130, 128)])
+def test_gpu_rope(usable, dims, interleaved, dtype, rng):
+    dev = _torch_device_for(usable.name)
+    B, S, H, D, R = dims
+    x = _dev_tensor(rng, (B, S, H, D), dtype, dev)
+    cos, sin = rope_tables(S + 5, R, dtype)
+    tcos, tsin = (torch.from_numpy(to64(t).astype(np.float32)).to(x.dtype).to(dev) for t in (cos, sin))
+    pos = rng.integers(0, S + 5, size=(B, S)).astype(np.int64)
+    what = f"{usable.name} {dtype} {dims} interleaved={interleaved}"
+    for p in (torch.from_numpy(pos).to(dev), torch.from_numpy(pos.astype(np.int32)).to(dev)):
+        assert_close(tensor_ops.rope(x, tcos, tsin, p, interleaved), ref_rope(x, cos, sin, pos, interleaved),
+                     dtype, f"rope {p.dtype} " + what)
+    assert_close(tensor_ops.rope_backward(x, tcos, tsin, torch.from_numpy(pos).to(dev), interleaved),
+                 ref_rope(x, cos, sin, pos, interleaved, inverse=True), dtype, "rope inverse " + what)
+    default = ref_rope(x, cos, sin, np.arange(S)[None, :], interleaved)
+    assert_close(tensor_ops.rope(x, tcos, tsin, interleaved=interleaved), default, dtype, "rope default " + what)
+    bad = torch.from_numpy(pos).to(dev)
+    bad[0, -1] = S + 5
+    with pytest.raises(ValueError, match=re.escape(f"a position is outside the cos/sin tables [0, {S + 5})")):
+        tensor_ops.rope(x, tcos, tsin, bad, interleaved)
+
+
+def _ref_lse(q, k, causal, scale):
+    q, k = to64(q), to64(k)
+    g = q.shape[1] // k.shape[1]
+    s = q @ np.swapaxes(np.repeat(k, g, 1), -1, -2) * scale
+    if causal:
+        lq, lk = s.shape[-2:]
+        s = np.where(np.arange(lk)[None, :] > np.arange(lq)[:, None] + lk - lq, -np.inf, s)
+    m = np.max(s, -1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (m + np.log(np.exp(s - np.where(np.isfinite(m), m, 0)).sum(-1, keepdims=True)))[..., 0]
+
+
+GPU_ATTN_SHAPES = [  # B, Hq, Hkv, Lq, Lk, D: GQA, Lq != Lk, Lq > Lk (fully masked causal rows), head dims to 256
+    (1, 1, 1, 1, 1, 1),
+    (2, 4, 2, 7, 9, 16),
+    (1, 3, 3, 65, 65, 8),
+    (1, 8, 1, 5, 130, 64),
+    (2, 2, 2, 9, 4, 32),
+    (1, 4, 2, 100, 300, 128),
+    (1, 2, 1, 33, 70, 256),
+    (2, 6, 3, 129, 129, 96),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", GPU_ATTN_SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_gpu_attention(usable, shape, causal, dtype, rng):
+    dev = _torch_device_for(usable.name)
+    B, Hq, Hkv, Lq, Lk, D = shape
+    q, k, v = (_dev_tensor(rng, (B, h, L, D), dtype, dev) for h, L in [(Hq, Lq), (Hkv, Lk), (Hkv, Lk)])
+    what = f"{usable.name} {dtype} {shape} causal={causal}"
+    out, lse = tensor_ops.attention(q, k, v, causal=causal, return_lse=True)
+    torch.cuda.synchronize()
+    assert lse.dtype == torch.float32 and lse.device == dev and tuple(lse.shape) == (B, Hq, Lq)
+    assert_close(out, np.nan_to_num(ref_attention(q, k, v, causal, 1 / math.sqrt(D))), dtype, "out " + what)
+    _assert_close_inf(lse, _ref_lse(q, k, causal, 1 / math.sqrt(D)), "float32", "lse " + what, factor=4)
+    assert_close(tensor_ops.attention(q, k, v, causal, scale=0.3),
+                 np.nan_to_num(ref_attention(q, k, v, causal, 0.3)), dtype, "scale " + what)
+    # gradients vs torch float64 autograd (the backward reads the stored out)
+    do = _dev_tensor(rng, (B, Hq, Lq, D), dtype, dev)
+    dq, dk, dv = tensor_ops.attention_backward(do, q, k, v, out, lse, causal=causal)
+    torch.cuda.synchronize()
+    tq, tk, tv = (torch.tensor(to64(t), requires_grad=True) for t in (q, k, v))
+    g = Hq // Hkv
+    s = tq @ tk.repeat_interleave(g, 1).transpose(-1, -2) / math.sqrt(D)
+    if causal:
+        s = s.masked_fill(~torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq), float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s, -1))
+    (p @ tv.repeat_interleave(g, 1)).backward(torch.tensor(to64(do)))
+    f = 4 if dtype == "float32" else 12
+    grad_close(dq, tq.grad, dtype, "dq " + what, f)
+    grad_close(dk, tk.grad, dtype, "dk " + what, f)
+    grad_close(dv, tv.grad, dtype, "dv " + what, f)
+
+
+def test_gpu_attention_head_dim_limit(usable):
+    dev = _torch_device_for(usable.name)
+    q = torch.ones((1, 1, 2, 4096), device=dev)
+    with pytest.raises(NotImplementedError, match="head_dim 4096"):
+        tensor_ops.attention(q, q, q)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C", [1, 7, 4095, 8193, 32000])
+def test_gpu_cross_entropy(usable, C, dtype, rng):
+    dev = _torch_device_for(usable.name)
+    N = 6
+    logits = _dev_tensor(rng, (N, C), dtype, dev, 3)
+    target = rng.integers(0, C, size=N).astype(np.int64)
+    target[2] = -100
+    loss_rows, grad, n = ref_cross_entropy(logits, target)
+    what = f"{usable.name} {dtype} C={C}"
+    for tg in (torch.from_numpy(target).to(dev), torch.from_numpy(target.astype(np.int32)).to(dev)):
+        rows, dl = tensor_ops.cross_entropy_with_grad(logits, tg, reduction="none")
+        torch.cuda.synchronize()
+        assert_close(rows, loss_rows, "float32", f"loss {tg.dtype} " + what)
+        assert_close(dl, grad, dtype, f"dlogits {tg.dtype} " + what)
+    mean = tensor_ops.cross_entropy(logits, torch.from_numpy(target).to(dev))
+    assert abs(float(mean) - loss_rows.sum() / n) <= 1e-5 * abs(loss_rows.sum() / n) + 1e-6
+    bad = torch.from_numpy(target).to(dev)
+    bad[0] = C
+    with pytest.raises(ValueError, match=re.escape(f"a target is outside [0, {C}) and is not the ignore_index -100")):
+        tensor_ops.cross_entropy(logits, bad)

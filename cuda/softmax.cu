@@ -1,0 +1,210 @@
+// Row softmax / log_softmax (scaled, optionally causal), their backward, and
+// cross-entropy with an optional gradient. One block per row; the max and
+// the sum of exponentials come from one online pass (each thread keeps a
+// running max and sum, merged over the block), fp32 throughout.
+#include <algorithm>
+#include <cmath>
+
+#include "common.cuh"
+
+namespace tensor_ops::gpu {
+namespace {
+
+// y = softmax(scale * x) (log_softmax when log). causal: row r is query
+// i = r % lq of the last two dims and sees columns j < i + cols - lq + 1
+// (bottom-right aligned); a row that sees nothing is 0 (log: -inf), as are
+// the masked columns. y may be x (in place): chunk i stays with one thread.
+template <class T, int V>
+__global__ void __launch_bounds__(kMaxBlockThreads)
+    softmax_kernel(const T* x, int64_t x_stride, T* y, int64_t y_stride, int64_t rows, int64_t cols, float scale,
+                   bool causal, int64_t lq, bool log) {
+  const int64_t chunks = cols / V;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * x_stride;
+    T* yr = y + r * y_stride;
+    const int64_t valid = causal ? clamp64(r % lq + cols - lq + 1, 0, cols) : cols;
+    float m = kNegInf, s = 0.0f;
+    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+      float a[V];
+      load_chunk(xr, i, a);
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        if (i * V + k < valid) online_add(a[k] * scale, m, s);
+    }
+    float sum;
+    const float row_max = block_max_sum(m, s, &sum);
+    // log: v - (max + log(sum)); else exp(v - max) / sum.
+    const float shift = log ? row_max + logf(sum) : row_max;
+    const float inv = 1.0f / sum;
+    const float masked = log ? kNegInf : 0.0f;
+    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+      float a[V];
+      load_chunk(xr, i, a);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float v = a[k] * scale - shift;
+        a[k] = i * V + k >= valid ? masked : (log ? v : expf(v) * inv);
+      }
+      store_chunk(yr, i, a);
+    }
+  }
+}
+
+// dx = scale * (dy - exp(y) * sum(dy)) (log) or scale * y * (dy - sum(dy * y)).
+// dx may be dy or y (in place).
+template <class T, int V>
+__global__ void __launch_bounds__(kMaxBlockThreads)
+    softmax_backward_kernel(const T* dy, int64_t dy_stride, const T* y, int64_t y_stride, T* dx, int64_t dx_stride,
+                            int64_t rows, int64_t cols, float scale, bool log) {
+  const int64_t chunks = cols / V;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* gr = dy + r * dy_stride;
+    const T* yr = y + r * y_stride;
+    float part = 0.0f;
+    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+      float g[V], p[V];
+      load_chunk(gr, i, g);
+      load_chunk(yr, i, p);
+#pragma unroll
+      for (int k = 0; k < V; ++k) part += log ? g[k] : g[k] * p[k];
+    }
+    const float s = block_sum(part);
+    T* dr = dx + r * dx_stride;
+    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+      float g[V], p[V];
+      load_chunk(gr, i, g);
+      load_chunk(yr, i, p);
+#pragma unroll
+      for (int k = 0; k < V; ++k) g[k] = log ? scale * (g[k] - expf(p[k]) * s) : scale * p[k] * (g[k] - s);
+      store_chunk(dr, i, g);
+    }
+  }
+}
+
+// loss[r] = logsumexp(row) - row[t]; dlogits (when not NULL) =
+// grad_scale * (softmax(row) - onehot(t)). Rows whose target is the ignore
+// index get 0 (and a zero gradient row); any other target outside [0, C)
+// raises *bad and leaves the row. dlogits may be logits (in place): row[t]
+// is read before the block's first barrier, chunks stay with one thread.
+template <class T, int V, class I>
+__global__ void __launch_bounds__(kMaxBlockThreads)
+    cross_entropy_kernel(const T* logits, int64_t l_stride, const I* __restrict__ target,
+                         float* __restrict__ loss, T* dlogits, int64_t d_stride, int64_t rows,
+                         int64_t cols, int64_t ignore_index, float grad_scale, int* bad) {
+  const int64_t chunks = cols / V;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t t = int64_t(target[r]);
+    T* dr = dlogits ? dlogits + r * d_stride : nullptr;
+    if (t == ignore_index) {
+      if (threadIdx.x == 0) loss[r] = 0.0f;
+      if (dr) {
+        const float zero[V] = {};
+        for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) store_chunk(dr, i, zero);
+      }
+      continue;
+    }
+    if (t < 0 || t >= cols) {
+      if (threadIdx.x == 0) *bad = 1;
+      continue;
+    }
+    const T* lr = logits + r * l_stride;
+    const float target_logit = to_f32(lr[t]);
+    float m = kNegInf, s = 0.0f;
+    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+      float a[V];
+      load_chunk(lr, i, a);
+#pragma unroll
+      for (int k = 0; k < V; ++k) online_add(a[k], m, s);
+    }
+    float sum;
+    const float row_max = block_max_sum(m, s, &sum);
+    if (threadIdx.x == 0) loss[r] = float(double(row_max) + ::log(double(sum)) - double(target_logit));
+    if (!dr) continue;
+    const float p_scale = (1.0f / sum) * grad_scale;
+    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+      float a[V];
+      load_chunk(lr, i, a);
+#pragma unroll
+      for (int k = 0; k < V; ++k) a[k] = expf(a[k] - row_max) * p_scale - (i * V + k == t ? grad_scale : 0.0f);
+      store_chunk(dr, i, a);
+    }
+  }
+}
+
+template <class T>
+to_status softmax_typed(const to_op_call* c, cudaStream_t stream) {
+  const to_tensor &xt = c->inputs[0], &yt = c->outputs[0];
+  const int64_t rows = xt.shape[0], cols = xt.shape[1];
+  const int64_t lq = c->ints[2] > 0 ? c->ints[2] : 1;
+  return with_chunk<T>(rows_aligned16({&xt, &yt}, sizeof(T)), [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    softmax_kernel<T, V><<<row_blocks(rows), row_block_threads(cols / V), 0, stream>>>(
+        element0<const T>(xt), xt.strides[0], element0<T>(yt), yt.strides[0], rows, cols, float(c->scalars[0]),
+        c->ints[0] != 0, lq, c->ints[1] != 0);
+    TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
+    return TO_OK;
+  });
+}
+
+template <class T>
+to_status softmax_backward_typed(const to_op_call* c, cudaStream_t stream) {
+  const to_tensor &gt = c->inputs[0], &yt = c->inputs[1], &dt = c->outputs[0];
+  const int64_t rows = yt.shape[0], cols = yt.shape[1];
+  return with_chunk<T>(rows_aligned16({&gt, &yt, &dt}, sizeof(T)), [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    softmax_backward_kernel<T, V><<<row_blocks(rows), row_block_threads(cols / V), 0, stream>>>(
+        element0<const T>(gt), gt.strides[0], element0<const T>(yt), yt.strides[0], element0<T>(dt), dt.strides[0],
+        rows, cols, float(c->scalars[0]), c->ints[1] != 0);
+    TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
+    return TO_OK;
+  });
+}
+
+// Full views: logits [N, C], target int32 / int64 [N], loss float32 [N],
+// dlogits [N, C] or absent (data == NULL).
+template <class T>
+to_status cross_entropy_typed(const to_op_call* c, cudaStream_t stream) {
+  const to_tensor &lt = c->inputs[0], &tt = c->inputs[1], &ls = c->outputs[0], &dt = c->outputs[1];
+  const int64_t rows = lt.shape[0], cols = lt.shape[1];
+  T* dlogits = c->ints[1] && dt.data ? element0<T>(dt) : nullptr;
+  const to_tensor* grad = dlogits ? &dt : nullptr;
+  const bool vec = rows_aligned16({&lt}, sizeof(T)) && (!grad || rows_aligned16({grad}, sizeof(T)));
+  BadIndexFlag bad(stream);
+  if (to_status s = bad.allocate(); s != TO_OK) return s;
+  const to_status s = with_chunk<T>(vec, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    const unsigned threads = unsigned(row_block_threads(cols / V));
+    auto run = [&](auto* target) {
+      cross_entropy_kernel<T, V><<<row_blocks(rows), threads, 0, stream>>>(
+          element0<const T>(lt), lt.strides[0], target, element0<float>(ls), dlogits, grad ? dt.strides[0] : 0,
+          rows, cols, c->ints[0], float(c->scalars[0]), bad.device());
+    };
+    if (tt.dtype == TO_INT64)
+      run(element0<const int64_t>(tt));
+    else
+      run(element0<const int32_t>(tt));
+    TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
+    return TO_OK;
+  });
+  if (s != TO_OK) return s;
+  return bad.check("a target is outside [0, " + std::to_string(cols) + ") and is not the ignore_index " +
+                   std::to_string(c->ints[0]));
+}
+
+}  // namespace
+
+to_status launch_softmax(const to_op_call* call, cudaStream_t stream) {
+  return with_dtype(call->inputs[0].dtype, [&](auto tag) { return softmax_typed<decltype(tag)>(call, stream); });
+}
+
+to_status launch_softmax_backward(const to_op_call* call, cudaStream_t stream) {
+  return with_dtype(call->inputs[0].dtype,
+                    [&](auto tag) { return softmax_backward_typed<decltype(tag)>(call, stream); });
+}
+
+to_status launch_cross_entropy(const to_op_call* call, cudaStream_t stream) {
+  return with_dtype(call->inputs[0].dtype,
+                    [&](auto tag) { return cross_entropy_typed<decltype(tag)>(call, stream); });
+}
+
+}  // namespace tensor_ops::gpu
