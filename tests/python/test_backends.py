@@ -79,7 +79,10 @@ def test_env_backend_cpu_and_priority():
     code = "import tensor_ops; print(tensor_ops.get_backend())"
     r = run_py(code, TENSOR_OPS_BACKEND="cpu")
     assert r.stdout.strip().endswith("cpu"), r.stderr
-    r = run_py(code, TENSOR_OPS_PRIORITY="opencl,cpu")
+    usable = {b.name for b in tensor_ops.backends() if b.usable}
+    r = run_py(code, TENSOR_OPS_PRIORITY="opencl,cpu")  # the first usable one in the list wins
+    assert r.stdout.strip().endswith("opencl" if "opencl" in usable else "cpu"), r.stderr
+    r = run_py(code, TENSOR_OPS_PRIORITY="cpu,opencl")
     assert r.stdout.strip().endswith("cpu"), r.stderr
     r = run_py(code, TENSOR_OPS_PRIORITY="cpu,bogus")
     assert r.returncode != 0 and "bogus" in r.stderr  # a typo anywhere is an error
