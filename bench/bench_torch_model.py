@@ -12,7 +12,10 @@ update, the same for every variant). Variants run round-robin after warm-up
 min-max, speedup of each prepared variant over its unprepared peer) and writes
 bench/out/torch_model_<dtype>_<config>.json. The prepared model must give the
 unprepared model's logits (within the dtype's tolerance) before anything is
-timed.
+timed. On a shared 2-core machine run with OMP_NUM_THREADS=1
+TENSOR_OPS_NUM_THREADS=1, or OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads
+spin after each parallel region and starve tensor_ops' pool (and vice versa),
+giving outliers of hundreds of ms to both sides.
 """
 from __future__ import annotations
 

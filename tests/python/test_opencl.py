@@ -52,11 +52,11 @@ def device_props(device_id=0):
     raise AssertionError("devices() lists no opencl device")
 
 
-def run_py(code, **env):
+def run_py(code, *args, **env):
     e = {k: v for k, v in os.environ.items() if k != "TENSOR_OPS_BACKEND"}
     e.update(env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e,
-                          timeout=600)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                          env=e, timeout=600)
 
 
 # --- status and devices ---
@@ -204,7 +204,7 @@ def test_rms_norm_rows_isolated_and_eps(rng):
 
 
 @needs_device
-def test_many_rows_and_strided_out(rng):
+def test_many_rows_and_a_row_slice(rng):
     x = make(rng, (20000, 8), "float32")
     w = make(rng, (8,), "float32", 1.0)
     with tensor_ops.use("opencl"):
@@ -212,6 +212,32 @@ def test_many_rows_and_strided_out(rng):
         # A strided view of the input: the Python layer copies it contiguous for staging.
         wide = make(rng, (5, 1000 + 8), "float32")
         assert_close(tensor_ops.silu(wide[:, :1000]), ref_silu(wide[:, :1000]), "float32", "row slice")
+
+
+@needs_device
+@pytest.mark.parametrize("group", [2, 64, 256])
+def test_rms_norm_work_group_reduction(group, tmp_path):
+    """The reduction over several work-items per row (what a GPU runs; a
+    CPU device defaults to one item per row), in place too."""
+    r = run_py("""
+        import sys, numpy as np, tensor_ops
+        rng = np.random.default_rng(3)
+        out = {}
+        for cols in (1, 7, 64, 4095, 8193):
+            for dt in ("float32", "float16"):
+                x = (rng.standard_normal((3, cols)) * 3).astype(dt)
+                w = rng.standard_normal(cols).astype(dt)
+                xt = tensor_ops.from_numpy(x, device="opencl:0")
+                tensor_ops.rms_norm(xt, tensor_ops.from_numpy(w, device="opencl:0"), out=xt)
+                out[f"{dt}_{cols}_x"], out[f"{dt}_{cols}_w"], out[f"{dt}_{cols}_y"] = x, w, xt.numpy()
+        np.savez(sys.argv[1], **out)
+    """, str(tmp_path / "out.npz"), TENSOR_OPS_OPENCL_RMS_NORM_GROUP=str(group))
+    assert r.returncode == 0, r.stderr
+    data = np.load(tmp_path / "out.npz")
+    for cols in (1, 7, 64, 4095, 8193):
+        for dt in ("float32", "float16"):
+            x, w, y = (data[f"{dt}_{cols}_{k}"] for k in "xwy")
+            assert_close(y, ref_rms_norm(x, w), dt, f"group {group} {dt} cols {cols} in place")
 
 
 # --- resident tensors: chains, in place, out= ---

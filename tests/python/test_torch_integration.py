@@ -132,7 +132,7 @@ def _opcheck_cases():
 
     cos, sin = n(16, 4), n(16, 4)
     q, k, v = r(2, 4, 5, 8), r(2, 2, 7, 8), r(2, 2, 7, 8)
-    out, lse = custom_ops.attention(q.detach(), k.detach(), v.detach())
+    out, lse = custom_ops.OPS["attention"](q.detach(), k.detach(), v.detach())
     logits, target = r(6, 11), torch.tensor([1, 2, -100, 4, 5, 0])
     return {
         "rms_norm": (r(3, 8), r(8), 1e-6),
@@ -174,20 +174,28 @@ def test_fake_kernels_give_shapes_and_dtypes():
     with FakeTensorMode():
         q = torch.empty(2, 4, 5, 8, dtype=torch.bfloat16)
         k = torch.empty(2, 2, 7, 8, dtype=torch.bfloat16)
-        out, lse = custom_ops.attention(q, k, k, True, None)
+        out, lse = custom_ops.OPS["attention"](q, k, k, True, None)
         assert out.shape == q.shape and out.dtype == torch.bfloat16
         assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
         logits, target = torch.empty(6, 11, dtype=torch.float16), torch.zeros(6, dtype=torch.int64)
         for reduction, shape in [("mean", ()), ("sum", ()), ("none", (6,))]:
-            loss, dl = custom_ops.cross_entropy_with_grad(logits, target, -100, reduction)
+            loss, dl = custom_ops.OPS["cross_entropy_with_grad"](logits, target, -100, reduction)
             assert loss.shape == shape and loss.dtype == torch.float32
             assert dl.shape == logits.shape and dl.dtype == torch.float16
-            assert custom_ops.cross_entropy(logits, target, -100, reduction).shape == shape
-        y = custom_ops.softmax(torch.empty(3, 5, 8), 1, 1.0, False)
+            assert custom_ops.OPS["cross_entropy"](logits, target, -100, reduction).shape == shape
+        y = custom_ops.OPS["softmax"](torch.empty(3, 5, 8), 1, 1.0, False)
         assert y.shape == (3, 5, 8)
 
 
 # ---- values and gradients against torch autograd ------------------------------
+
+@pytest.fixture(params=["function", "custom_op"])
+def eager_path(request, monkeypatch):
+    """Eager calls through the autograd.Function (the default) or through the
+    torch custom op and its registered autograd."""
+    monkeypatch.setattr(tt.functional, "EAGER_FUNCTIONS", request.param == "function")
+    return request.param
+
 
 def causal_mask(rows, cols):
     return torch.ones(rows, cols, dtype=torch.bool).tril(cols - rows)
@@ -264,7 +272,7 @@ def _tables(x):
 
 
 @pytest.mark.parametrize("name", sorted(GRAD_CASES))
-def test_values_and_gradients_match_torch(name):
+def test_values_and_gradients_match_torch(name, eager_path):
     ours, ref, shapes = GRAD_CASES[name]
     torch.manual_seed(sum(map(ord, name)))
     xs = [torch.randn(s) for s in shapes]
@@ -281,7 +289,7 @@ def test_values_and_gradients_match_torch(name):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_cross_entropy_value_and_gradient(reduction):
+def test_cross_entropy_value_and_gradient(reduction, eager_path):
     torch.manual_seed(1)
     logits = torch.randn(7, 13)
     target = torch.randint(0, 13, (7,))
@@ -300,7 +308,7 @@ def test_cross_entropy_value_and_gradient(reduction):
     assert rel_err(c.grad, b.grad) < 1e-5
 
 
-def test_cross_entropy_backward_uses_the_forward_gradient(monkeypatch):
+def test_cross_entropy_backward_uses_the_forward_gradient(monkeypatch, eager_path):
     calls = []
     fused = tensor_ops.cross_entropy_with_grad
     monkeypatch.setattr(tensor_ops, "cross_entropy_with_grad", lambda *a, **k: calls.append(1) or fused(*a, **k))
@@ -312,14 +320,14 @@ def test_cross_entropy_backward_uses_the_forward_gradient(monkeypatch):
     assert len(calls) == 1
 
 
-def test_attention_lse_is_float32_and_not_differentiable():
+def test_attention_lse_is_float32_and_not_differentiable(eager_path):
     q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
     out, lse = tt.attention(q, q, q, return_lse=True)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (1, 2, 4)
     assert out.requires_grad and not lse.requires_grad
 
 
-def test_strided_inputs_and_gradients():
+def test_strided_inputs_and_gradients(eager_path):
     torch.manual_seed(2)
     x = torch.randn(33, 4).t().requires_grad_()  # [4, 33], not contiguous
     w = torch.randn(33, requires_grad=True)
@@ -529,6 +537,8 @@ def test_prepare_o3_reduced_precision_and_compile():
     assert any("reduced precision" in s and "torch.bfloat16" in s for s in result.optimizations_applied)
     assert result.optimizations_applied[-1] == "torch.compile (backend=aot_eager, fullgraph=True)"
     assert result.metrics["dtype"] == "torch.bfloat16" and result.metrics["warmup_s"] > 0
+    no_bf16 = tt.get_backend("cpu").get_device_info().properties.get("has_avx512_bf16") == "0"
+    assert any("without bf16 instructions" in w for w in result.warnings) == no_bf16
     out = prepared(ids)
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 5e-2
     x = torch.randn(2, 8)  # floating inputs are cast on entry

@@ -3,7 +3,7 @@ kernels for torch.compile, autograd through our backward kernels), drop-in
 modules, prepare_model / validate_model, and the backend factory API.
 
 Imported on demand only: `import tensor_ops` does not import torch."""
-from .custom_ops import OPS
+from .custom_ops import FUNCTIONS, OPS
 from .factory import Backend, BackendFactory, BackendType, detect_best_backend, get_backend, list_available_backends
 from .functional import (
     add_rms_norm, attention, attention_backward, cross_entropy, cross_entropy_with_grad, geglu, geglu_backward,
@@ -17,7 +17,7 @@ from .prepare import (
 from tensor_ops import BackendUnavailableError, DeviceInfo
 
 __all__ = [
-    "OPS", "Backend", "BackendFactory", "BackendType", "detect_best_backend", "get_backend",
+    "OPS", "FUNCTIONS", "Backend", "BackendFactory", "BackendType", "detect_best_backend", "get_backend",
     "list_available_backends", "DeviceInfo", "BackendUnavailableError",
     "add_rms_norm", "attention", "attention_backward", "cross_entropy", "cross_entropy_with_grad", "geglu",
     "geglu_backward", "gelu", "gelu_backward", "layer_norm", "layer_norm_backward", "log_softmax",

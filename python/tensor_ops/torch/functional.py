@@ -1,34 +1,139 @@
-"""The op set as functions on torch tensors, differentiable and traceable by
-torch.compile: the custom ops themselves, plus attention and cross_entropy
-with the Python-level options of tensor_ops' own functions."""
+"""The op set as functions on torch tensors: differentiable, traceable by
+torch.compile (no graph break), cheap in eager mode (see Note [two ways in]
+in custom_ops)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from . import custom_ops
-from .custom_ops import (  # noqa: F401  (re-exported as they are)
-    add_rms_norm, attention_backward, cross_entropy_with_grad, geglu, geglu_backward, gelu, gelu_backward,
-    layer_norm, layer_norm_backward, log_softmax, log_softmax_backward, rms_norm, rms_norm_backward, rope,
-    rope_backward, silu, silu_backward, softmax, softmax_backward, swiglu, swiglu_backward,
-)
+from .custom_ops import DIRECT, FUNCTIONS, OPS
+
+# Plain tensors in eager mode take the autograd.Function (or, with no
+# gradient to record, the kernel itself); tests turn this off to drive the
+# custom ops in eager mode too.
+EAGER_FUNCTIONS = True
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              scale: Optional[float] = None, *, return_lse: bool = False):
+def _run(name: str, *args):
+    """The op `name` on args, every argument given (Functions take no defaults)."""
+    # Tracing and tensor subclasses (FakeTensor, DTensor...) take the custom op.
+    if not torch.compiler.is_compiling() and EAGER_FUNCTIONS and type(args[0]) is torch.Tensor:
+        function = FUNCTIONS.get(name)
+        if function is None or not torch.is_grad_enabled():
+            return getattr(DIRECT, name)(*args)
+        return function.apply(*args)
+    return OPS[name](*args)
+
+
+def rms_norm(x, weight, eps: float = 1e-6):
+    """x / sqrt(mean(x**2, last dim) + eps) * weight, accumulated in fp32."""
+    return _run("rms_norm", x, weight, eps)
+
+
+def layer_norm(x, weight, bias=None, eps: float = 1e-5):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim."""
+    return _run("layer_norm", x, weight, bias, eps)
+
+
+def add_rms_norm(x, residual, weight, eps: float = 1e-6):
+    """(rms_norm(x + residual, weight), x + residual) in one pass."""
+    return _run("add_rms_norm", x, residual, weight, eps)
+
+
+def silu(x):
+    return _run("silu", x)
+
+
+def gelu(x, approximate: str = "none"):
+    return _run("gelu", x, approximate)
+
+
+def softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
+    """softmax(scale * x) along dim; causal (last dim only) masks [..., i, j]
+    for j > i + cols - rows."""
+    return _run("softmax", x, dim, scale, causal)
+
+
+def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
+    return _run("log_softmax", x, dim, scale, causal)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up in one pass."""
+    return _run("swiglu", gate, up)
+
+
+def geglu(gate, up, approximate: str = "none"):
+    """gelu(gate) * up in one pass."""
+    return _run("geglu", gate, up, approximate)
+
+
+def rope(x, cos, sin, positions=None, interleaved: bool = False):
+    """Rotary embedding of x [batch, seq, heads, head_dim] with cos/sin tables
+    [max_position, rotary_dim / 2] (no gradient); positions [seq] or
+    [batch, seq], default 0..seq-1."""
+    return _run("rope", x, cos, sin, positions, interleaved)
+
+
+def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, *, return_lse: bool = False):
     """softmax(scale * q k^T) v on [batch, heads, seq, head_dim] (grouped-query
-    k/v allowed); with return_lse also the float32 log-sum-exp [batch, heads,
-    seq]."""
-    out, lse = custom_ops.attention(q, k, v, causal, scale)
+    k/v allowed, causal bottom-right aligned); with return_lse also the
+    float32 log-sum-exp [batch, heads, seq] (no gradient)."""
+    out, lse = _run("attention", q, k, v, causal, scale)
     return (out, lse) if return_lse else out
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                  reduction: str = "mean") -> torch.Tensor:
+def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean"):
     """The float32 cross-entropy of logits [N, C] against class indices [N].
     When logits need a gradient, the forward pass also writes it (the fused
     kernel) and the backward only scales it."""
     if torch.is_grad_enabled() and logits.requires_grad:
-        return custom_ops.cross_entropy_with_grad(logits, target, ignore_index, reduction)[0]
-    return custom_ops.cross_entropy(logits, target, ignore_index, reduction)
+        return _run("cross_entropy_with_grad", logits, target, ignore_index, reduction)[0]
+    return _run("cross_entropy", logits, target, ignore_index, reduction)
+
+
+def cross_entropy_with_grad(logits, target, ignore_index: int = -100, reduction: str = "mean"):
+    """(float32 loss, dlogits of the reduced loss) in one pass."""
+    return _run("cross_entropy_with_grad", logits, target, ignore_index, reduction)
+
+
+def rms_norm_backward(dy, x, weight, eps: float = 1e-6):
+    return _run("rms_norm_backward", dy, x, weight, eps)
+
+
+def layer_norm_backward(dy, x, weight, eps: float = 1e-5):
+    """(dx, dweight, dbias)."""
+    return _run("layer_norm_backward", dy, x, weight, eps)
+
+
+def silu_backward(dy, x):
+    return _run("silu_backward", dy, x)
+
+
+def gelu_backward(dy, x, approximate: str = "none"):
+    return _run("gelu_backward", dy, x, approximate)
+
+
+def swiglu_backward(dy, gate, up):
+    return _run("swiglu_backward", dy, gate, up)
+
+
+def geglu_backward(dy, gate, up, approximate: str = "none"):
+    return _run("geglu_backward", dy, gate, up, approximate)
+
+
+def softmax_backward(dy, y, dim: int = -1, scale: float = 1.0):
+    return _run("softmax_backward", dy, y, dim, scale)
+
+
+def log_softmax_backward(dy, y, dim: int = -1, scale: float = 1.0):
+    return _run("log_softmax_backward", dy, y, dim, scale)
+
+
+def rope_backward(dy, cos, sin, positions=None, interleaved: bool = False):
+    return _run("rope_backward", dy, cos, sin, positions, interleaved)
+
+
+def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None):
+    return _run("attention_backward", dout, q, k, v, out, lse, causal, scale)

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import custom_ops as ops
+from . import functional as ops
 
 
 def _flat_last(x: torch.Tensor, normalized_shape) -> torch.Tensor:
@@ -115,7 +115,7 @@ class Attention(nn.Module):
         self.causal, self.scale = causal, scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ops.attention(q, k, v, self.causal, self.scale)[0]
+        return ops.attention(q, k, v, self.causal, self.scale)
 
     def extra_repr(self) -> str:
         return f"causal={self.causal}, scale={self.scale}"

@@ -215,6 +215,9 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
         model.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True)
         applied.append(f"reduced precision: {n} floating parameter/buffer tensors in {dtype}, "
                        f"floating inputs cast on entry")
+        if backend.name == "cpu" and backend.get_device_info().properties.get("has_avx512_bf16") == "0":
+            warnings.append("O3 on a CPU without bf16 instructions (has_avx512_bf16=0): torch's bf16 matmuls "
+                            "are emulated here and can run many times slower than float32")
     if level >= OptimizationLevel.O2:
         options = dict(compile_options or {})
         model.compile(**options)
