@@ -395,7 +395,8 @@ to_status attention_backward_typed(const to_op_call* c, cudaStream_t stream) {
     const to_tensor& g = c->outputs[i];
     grads[i] = element0<T>(g);
     bool alias = false;
-    for (int j = 0; j < 6; ++j) alias = alias || overlaps(g, sizeof(T), c->inputs[j], j == 5 ? sizeof(float) : sizeof(T));
+    for (int j = 0; j < 6; ++j)
+      alias = alias || overlaps(g, sizeof(T), c->inputs[j], j == 5 ? sizeof(float) : sizeof(T));
     if (alias && numel(g) > 0) {
       if (to_status s = tmp[i].allocate(size_t(numel(g)) * sizeof(T)); s != TO_OK) return s;
       grads[i] = tmp[i].get<T>();

@@ -235,7 +235,9 @@ struct alignas(sizeof(T) * V) Vec {
 
 constexpr float kNegInf = -__builtin_inff();
 
-__device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+__device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // Chunk i (V elements) of a row, as fp32, and back.

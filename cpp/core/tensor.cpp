@@ -56,6 +56,12 @@ Tensor::Tensor(void* data, DType dtype, std::vector<int64_t> shape, std::vector<
     }
   }
   if (data_ == nullptr && n != 0) throw InvalidArgument("tensor " + describe() + " has a null data pointer");
+  // Kernels load whole elements: a misaligned one is undefined behaviour (and
+  // can fault in vectorised loops). The caller may retry with an aligned copy.
+  const uintptr_t address = reinterpret_cast<uintptr_t>(data_) + uintptr_t(byte_offset_);
+  if (n != 0 && address % dtype_size(dtype_) != 0)
+    throw LayoutError("tensor " + describe() + " starts at an address that is not a multiple of its " +
+                      std::to_string(dtype_size(dtype_)) + "-byte element size");
 }
 
 int64_t Tensor::numel() const {

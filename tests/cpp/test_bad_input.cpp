@@ -38,6 +38,7 @@ struct TensorSpec {
   Device device;
   int storage = -1;     // slot whose memory this view uses; -1: its own
   int64_t offset = 0;   // elements into that memory
+  int64_t byte_shift = 0;  // bytes on top (misaligned data)
   bool null = false;    // C++: a null data pointer; C: a NULL handle
   int64_t index_bound = 0;
   int64_t index_value = -1;  // >= 0: every index is this value
@@ -326,6 +327,8 @@ std::vector<Row> all_rows() {
             [i](CallSpec& c) { c.slot(i).index_value = c.slot(i).index_bound; }, false);
 
     // layouts and overlaps
+    add("misaligned_" + base.in[0].name, Outcome::LayoutError, [](CallSpec& c) { c.in[0].byte_shift = 1; });
+    add("misaligned_" + base.out[0].name, Outcome::LayoutError, [](CallSpec& c) { c.out[0].byte_shift = 2; });
     add("strided_out", Outcome::LayoutError,
         [](CallSpec& c) { c.out[0].strides = contiguous_strides(c.out[0].shape, 2); });
     add("self_overlapping_out", Outcome::LayoutError, [](CallSpec& c) {
@@ -442,7 +445,7 @@ class CallMemory {
     const TensorSpec& s = c.slot(i);
     if (s.null) return nullptr;
     unsigned char* base = memory_[size_t(s.storage >= 0 ? s.storage : i)].data();
-    return base + s.offset * int64_t(dtype_size(s.dtype));
+    return base + s.offset * int64_t(dtype_size(s.dtype)) + s.byte_shift;
   }
 
  private:

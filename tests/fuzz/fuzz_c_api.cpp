@@ -3,8 +3,9 @@
 // device, and where its memory lies (its own buffer, or inside another
 // tensor's, to make overlaps), plus scalars, ints, NULL and destroyed handles.
 // The harness keeps its side of the contract: every view it describes lies
-// inside memory it owns and is aligned for its dtype, so any sanitizer report
-// is the library's. It also checks that
+// inside memory it owns and is aligned for its dtype (misaligned data is
+// refused when a tensor is made: the bad-input matrix checks that), so any
+// sanitizer report is the library's. It also checks that
 //   - every call returns a defined status, with a message exactly when it failed;
 //   - nothing outside the output views changes (no stray writes that ASan
 //     cannot see because they land inside a live buffer).

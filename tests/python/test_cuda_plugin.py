@@ -411,7 +411,10 @@ def test_gpu_softmax(usable, dtype, shape, rng):
         torch.cuda.synchronize()
         # The op's definition on the stored y, in float64 ...
         y64, g64 = to64(y), to64(dy)
-        ref = (g64 - np.exp(y64) * g64.sum(-1, keepdims=True)) if log else y64 * (g64 - (g64 * y64).sum(-1, keepdims=True))
+        if log:
+            ref = g64 - np.exp(y64) * g64.sum(-1, keepdims=True)
+        else:
+            ref = y64 * (g64 - (g64 * y64).sum(-1, keepdims=True))
         grad_close(dx, torch.from_numpy(0.7 * ref), dtype, f"softmax backward log={log} " + what)
         if dtype == "float32":  # ... and torch autograd from x (16-bit y rounding moves the result off that)
             tx = torch.tensor(to64(x), requires_grad=True)

@@ -67,7 +67,8 @@ TENSOR_OPS_API const char* to_status_name(to_status status);
  * shape has ndim entries (may be NULL when ndim is 0); strides in elements,
  * NULL for row-major contiguous. device: NULL, "cpu" or "host" for host
  * memory, else "<backend>:<id>" ("cuda:0", "opencl:1"; "<backend>" means id 0).
- * data may be NULL only for a tensor with no elements. */
+ * data may be NULL only for a tensor with no elements, and must be aligned to
+ * the dtype's size. */
 TENSOR_OPS_API to_status to_tensor_create(void* data, int32_t dtype, int32_t ndim, const int64_t* shape,
                                           const int64_t* strides, const char* device, to_tensor_h* out);
 /* Frees the handle (not the data). NULL is accepted and does nothing. */
