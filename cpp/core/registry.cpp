@@ -9,6 +9,7 @@
 #include "../cpu/cpu_backend.h"
 #include "env.h"
 #include "tensor_ops/errors.h"
+#include "tensor_ops/ops.h"
 
 // TENSOR_OPS_BUILD_BACKENDS is set by CMake: "name=reason;..." for every
 // backend the build knows, the reason empty when its plugin was built.
@@ -180,7 +181,14 @@ std::vector<Backend*> Registry::by_priority() const {
 
 std::vector<BackendStatus> Registry::status() const {
   std::vector<BackendStatus> out;
-  for (Backend* b : by_priority()) out.push_back({b->name(), true, b->usable(), b->reason(), b->priority(), b->library()});
+  for (Backend* b : by_priority()) {
+    BackendStatus s{b->name(), true, b->usable(), b->reason(), b->priority(), b->library(), {}};
+#define TENSOR_OPS_OP(name, id, n_in, n_out) \
+  if (b->table().kernels[id] != nullptr) s.ops.push_back(op_name(OpId(id)));
+#include "tensor_ops/ops.def"
+#undef TENSOR_OPS_OP
+    out.push_back(std::move(s));
+  }
   out.insert(out.end(), missing_.begin(), missing_.end());
   return out;
 }

@@ -21,6 +21,7 @@ void init_registry(nb::module_& m) {
       d["reason"] = s.reason;
       d["priority"] = s.priority;
       d["library"] = s.library;
+      d["ops"] = s.ops;
       out.append(d);
     }
     return out;

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 from . import _C
 
@@ -39,6 +39,7 @@ class BackendStatus:
     reason: str
     priority: int
     library: str
+    ops: Tuple[str, ...] = ()  # the ops it has kernels for
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -76,7 +77,7 @@ def devices() -> List[DeviceInfo]:
 
 def backends() -> List[BackendStatus]:
     """Every backend tensor_ops knows: compiled or not, usable or not, and why."""
-    return [BackendStatus(**b) for b in _C.backends()]
+    return [BackendStatus(**{**b, "ops": tuple(b.get("ops", ()))}) for b in _C.backends()]
 
 
 def get_backend() -> str:

@@ -103,3 +103,42 @@ def cpu_isa(request):
     tensor_ops._C.cpu_set_isa(request.param)
     yield request.param
     tensor_ops._C.cpu_set_isa("auto")
+
+
+class Target:
+    """Where an op runs: the CPU backend at one ISA level, or a device backend."""
+
+    def __init__(self, name, backend, ops):
+        self.name, self.backend, self.ops = name, backend, ops
+
+    def require(self, *ops):
+        """Skips (with the reason shown) when the backend has no kernel for an op."""
+        missing = [op for op in ops if op not in self.ops]
+        if missing:
+            pytest.skip(f"backend {self.backend!r} has no kernel for {', '.join(missing)}")
+
+    def __repr__(self):
+        return self.name
+
+
+def _targets():
+    usable = {b.name: b for b in tensor_ops.backends() if b.usable}
+    out = [("cpu-" + isa, "cpu", isa) for isa in tensor_ops._C.cpu_supported_isas()]
+    return out + [(name, name, None) for name in usable if name != "cpu"]
+
+
+@pytest.fixture(params=_targets(), ids=lambda t: t[0])
+def target(request):
+    """Every CPU ISA level this machine runs, then every other usable backend
+    (selected with tensor_ops.use: numpy inputs are staged to its device)."""
+    name, backend, isa = request.param
+    ops = {b.name: b for b in tensor_ops.backends()}[backend].ops
+    if isa is not None:
+        tensor_ops._C.cpu_set_isa(isa)
+        try:
+            yield Target(name, backend, ops)
+        finally:
+            tensor_ops._C.cpu_set_isa("auto")
+    else:
+        with tensor_ops.use(backend):
+            yield Target(name, backend, ops)

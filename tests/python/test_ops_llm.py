@@ -1,6 +1,7 @@
-"""Conformance of the LLM op set on the CPU backend (every ISA level this
-machine runs) x dtype x odd sizes and edges, against float64 references;
-gradients against torch autograd in float64."""
+"""Conformance of the LLM op set on every target (the CPU backend at every ISA
+level this machine runs, then every other usable backend) x dtype x odd sizes
+and edges, against float64 references; gradients against torch autograd in
+float64. A backend without a kernel for an op is skipped with that reason."""
 import math
 
 import numpy as np
@@ -80,7 +81,8 @@ def ref_cross_entropy(logits, target, ignore_index=-100):
 
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layer_norm(hidden, dtype, cpu_isa, rng):
+def test_layer_norm(hidden, dtype, target, rng):
+    target.require("layer_norm")
     x, w, b = make(rng, (3, hidden), dtype, 3), make(rng, (hidden,), dtype), make(rng, (hidden,), dtype)
     assert_close(to.layer_norm(x, w, b, 1e-5), ref_layer_norm(x, w, b, 1e-5), dtype, "with bias")
     assert_close(to.layer_norm(x, w, None, 1e-5), ref_layer_norm(x, w, None, 1e-5), dtype, "no bias")
@@ -88,7 +90,8 @@ def test_layer_norm(hidden, dtype, cpu_isa, rng):
 
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm(hidden, dtype, cpu_isa, rng):
+def test_add_rms_norm(hidden, dtype, target, rng):
+    target.require("add_rms_norm")
     x, r, w = make(rng, (2, 3, hidden), dtype), make(rng, (2, 3, hidden), dtype), make(rng, (hidden,), dtype)
     y, res = to.add_rms_norm(x, r, w, 1e-6)
     s = (to64(x) + to64(r)).astype(np.float32).astype(np_dtype(dtype))  # the stored residual
@@ -98,7 +101,8 @@ def test_add_rms_norm(hidden, dtype, cpu_isa, rng):
 
 @pytest.mark.parametrize("shape", [(3, 1), (2, 7), (4, 64), (2, 4095), (1, 8193), (2, 3, 5, 9)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_softmax(shape, dtype, cpu_isa, rng):
+def test_softmax(shape, dtype, target, rng):
+    target.require("softmax")
     x = make(rng, shape, dtype, 4)
     assert_close(to.softmax(x, scale=0.5), ref_softmax(x, 0.5), dtype, "softmax")
     assert_close(to.log_softmax(x), ref_softmax(x, log=True), dtype, "log_softmax")
@@ -107,7 +111,8 @@ def test_softmax(shape, dtype, cpu_isa, rng):
         assert_close(to.softmax(x, dim=0), np.moveaxis(ref_softmax(np.moveaxis(x, 0, -1)), -1, 0), dtype, "dim0")
 
 
-def test_softmax_causal_fully_masked_rows():
+def test_softmax_causal_fully_masked_rows(target):
+    target.require("softmax")
     x = np.ones((4, 2), np.float32)  # 4 queries, 2 keys: rows 0, 1 see nothing
     y = to.softmax(x, causal=True)
     np.testing.assert_array_equal(y[:2], 0)
@@ -117,7 +122,8 @@ def test_softmax_causal_fully_masked_rows():
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["swiglu", "geglu", "geglu_tanh"])
-def test_gated(act, hidden, dtype, cpu_isa, rng):
+def test_gated(act, hidden, dtype, target, rng):
+    target.require("glu")
     g, u = make(rng, (3, hidden), dtype, 3), make(rng, (3, hidden), dtype)
     if act == "swiglu":
         got, ref = to.swiglu(g, u), ref_silu(g) * to64(u)
@@ -136,7 +142,8 @@ def rope_tables(max_pos, rot_dim, dtype):
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dims", [(2, 5, 3, 8, 8), (1, 7, 2, 64, 32), (3, 1, 1, 6, 2), (1, 3, 5, 130, 128)])
-def test_rope(dims, interleaved, dtype, cpu_isa, rng):
+def test_rope(dims, interleaved, dtype, target, rng):
+    target.require("rope")
     B, S, H, D, R = dims
     x = make(rng, (B, S, H, D), dtype)
     cos, sin = rope_tables(S + 5, R, dtype)
@@ -149,7 +156,8 @@ def test_rope(dims, interleaved, dtype, cpu_isa, rng):
     assert_close(back, ref_rope(x, cos, sin, pos, interleaved, inverse=True), dtype, "inverse")
 
 
-def test_rope_bad_position():
+def test_rope_bad_position(target):
+    target.require("rope")
     x = np.ones((1, 2, 1, 4), np.float32)
     cos, sin = rope_tables(3, 4, "float32")
     with pytest.raises(ValueError, match="position"):
@@ -172,7 +180,8 @@ ATTN_SHAPES = [  # B, Hq, Hkv, Lq, Lk, D
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
-def test_attention(shape, causal, dtype, cpu_isa, rng):
+def test_attention(shape, causal, dtype, target, rng):
+    target.require("attention")
     B, Hq, Hkv, Lq, Lk, D = shape
     q, k, v = make(rng, (B, Hq, Lq, D), dtype), make(rng, (B, Hkv, Lk, D), dtype), make(rng, (B, Hkv, Lk, D), dtype)
     out, lse = to.attention(q, k, v, causal=causal, return_lse=True)
@@ -183,7 +192,8 @@ def test_attention(shape, causal, dtype, cpu_isa, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("C", [1, 7, 4095, 8193])
-def test_cross_entropy(C, dtype, cpu_isa, rng):
+def test_cross_entropy(C, dtype, target, rng):
+    target.require("cross_entropy")
     N = 6
     logits = make(rng, (N, C), dtype, 3)
     target = rng.integers(0, C, size=N).astype(np.int64)
@@ -224,7 +234,8 @@ def grad_close(got, ref_tensor, dtype, what, factor=4):
 @needs_torch
 @pytest.mark.parametrize("hidden", [1, 7, 4095])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norm_grads(hidden, dtype, cpu_isa, rng):
+def test_norm_grads(hidden, dtype, target, rng):
+    target.require("rms_norm_backward", "layer_norm_backward")
     F = torch.nn.functional
     x, w, b, dy = (make(rng, s, dtype) for s in [(3, hidden), (hidden,), (hidden,), (3, hidden)])
     tx, tw = t64(x), t64(w)
@@ -242,7 +253,8 @@ def test_norm_grads(hidden, dtype, cpu_isa, rng):
 
 @needs_torch
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_activation_and_gated_grads(dtype, cpu_isa, rng):
+def test_activation_and_gated_grads(dtype, target, rng):
+    target.require("activation_backward", "glu_backward")
     F = torch.nn.functional
     x, u, dy = (make(rng, (5, 77), dtype, 3) for _ in range(3))
     for name, f, ours in [
@@ -266,7 +278,8 @@ def test_activation_and_gated_grads(dtype, cpu_isa, rng):
 
 @needs_torch
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_softmax_grads(dtype, cpu_isa, rng):
+def test_softmax_grads(dtype, target, rng):
+    target.require("softmax", "softmax_backward")
     x, dy = make(rng, (4, 33), dtype, 2), make(rng, (4, 33), dtype)
     for log in [False, True]:
         tx = t64(x)
@@ -280,7 +293,8 @@ def test_softmax_grads(dtype, cpu_isa, rng):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ATTN_SHAPES[1:4])
-def test_attention_grads(shape, causal, dtype, cpu_isa, rng):
+def test_attention_grads(shape, causal, dtype, target, rng):
+    target.require("attention", "attention_backward")
     B, Hq, Hkv, Lq, Lk, D = shape
     q, k, v = make(rng, (B, Hq, Lq, D), dtype), make(rng, (B, Hkv, Lk, D), dtype), make(rng, (B, Hkv, Lk, D), dtype)
     do = make(rng, (B, Hq, Lq, D), dtype)
@@ -326,7 +340,7 @@ def test_op_errors():
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "softmax", "swiglu", "attention", "cross_entropy", "add_rms_norm"])
-def test_empty_inputs(op):
+def test_empty_inputs(op, target):
     e = np.ones((0, 8), np.float32)
     w = np.ones(8, np.float32)
     if op == "layer_norm":

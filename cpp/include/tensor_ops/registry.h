@@ -17,6 +17,7 @@ struct BackendStatus {
   std::string reason;     // why not usable / not compiled; empty when usable
   int priority = 0;
   std::string library;    // the plugin file, or "built-in"
+  std::vector<std::string> ops;  // the ops it has kernels for (empty when not compiled)
 };
 
 struct DeviceRecord {
