@@ -129,7 +129,7 @@ void check_out(const char* op, const Tensor& out, const Tensor& x, std::initiali
 
 Backend& backend_for_tensor(const Tensor& x) {
   Registry& reg = Registry::instance();
-  if (x.device().is_host()) return reg.active();
+  if (x.device().is_host()) return reg.host_backend();
   Backend& b = reg.require(x.device().backend);
   if (x.device().id < 0 || x.device().id >= b.device_count())
     throw InvalidArgument("device " + x.device().str() + " does not exist (" + b.name() + " has " +

@@ -210,6 +210,7 @@ std::vector<DeviceRecord> Registry::devices() const {
 std::vector<std::string> Registry::known_names() const {
   std::vector<std::string> out;
   for (const BackendStatus& s : status()) out.push_back(s.name);
+  out.insert(out.end(), external_.begin(), external_.end());
   return out;
 }
 
@@ -242,9 +243,40 @@ Backend& Registry::require(const std::string& name) const {
   return *b;
 }
 
+bool Registry::is_external(const char* name) const {
+  for (const std::string& e : external_)
+    if (e == name) return true;
+  return false;
+}
+
+const std::string* Registry::external_choice() const {
+  if (external_.empty()) return nullptr;
+  if (!scope_stack.empty() && scope_stack.back() != "auto") {
+    const std::string& top = scope_stack.back();
+    return is_external(top.c_str()) ? &top : nullptr;
+  }
+  if (scope_stack.empty()) {  // a use("auto") scope skips set_backend()
+    const int i = selected_external_.load(std::memory_order_acquire);
+    if (i >= 0) return &external_[size_t(i)];
+    if (selected_backend_.load(std::memory_order_acquire)) return nullptr;
+  }
+  const char* forced = std::getenv("TENSOR_OPS_BACKEND");
+  if (forced == nullptr || !is_external(forced)) return nullptr;
+  for (const std::string& e : external_)
+    if (e == forced) return &e;
+  return nullptr;
+}
+
+Backend& Registry::host_backend() const {
+  if (const std::string* name = external_choice()) throw ExternalBackendSelected(*name);
+  return active();
+}
+
 Backend& Registry::active() const {
-  // A use("auto") scope skips set_backend() and falls to automatic choice.
-  const bool auto_scope = !scope_stack.empty() && scope_stack.back() == "auto";
+  // A use("auto") scope skips set_backend() and falls to automatic choice;
+  // a scope naming an external backend counts as "auto" here.
+  const bool auto_scope =
+      !scope_stack.empty() && (scope_stack.back() == "auto" || is_external(scope_stack.back().c_str()));
   if (!scope_stack.empty() && !auto_scope) return require(scope_stack.back());
   if (!auto_scope) {
     if (Backend* b = selected_backend_.load(std::memory_order_acquire)) return *b;
@@ -268,8 +300,17 @@ Backend& Registry::active() const {
   return b;
 }
 
+void Registry::set_external_backends(std::vector<std::string> names) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  external_ = std::move(names);
+  generation_.fetch_add(1, std::memory_order_acq_rel);
+}
+
 Backend& Registry::resolve_auto(const std::string& forced, const std::string& order_env) const {
-  if (!forced.empty() && forced != "auto") {
+  const auto is_external = [&](const std::string& name) {
+    return std::find(external_.begin(), external_.end(), name) != external_.end();
+  };
+  if (!forced.empty() && forced != "auto" && !is_external(forced)) {
     try {
       return require(forced);
     } catch (const InvalidArgument& e) {
@@ -297,17 +338,26 @@ Backend& Registry::resolve_auto(const std::string& forced, const std::string& or
 }
 
 void Registry::set_backend(const std::string& name) {
-  if (name.empty() || name == "auto") {
+  if (name.empty() || name == "auto" || is_external(name.c_str())) {
+    int index = -1;
+    for (size_t i = 0; i < external_.size(); ++i)
+      if (external_[i] == name) index = int(i);
     selected_backend_.store(nullptr, std::memory_order_release);
+    selected_external_.store(index, std::memory_order_release);
     return;
   }
-  selected_backend_.store(&require(name), std::memory_order_release);
+  Backend& b = require(name);
+  selected_external_.store(-1, std::memory_order_release);
+  selected_backend_.store(&b, std::memory_order_release);
 }
 
-std::string Registry::selected_name() const { return active().name(); }
+std::string Registry::selected_name() const {
+  if (const std::string* name = external_choice()) return *name;
+  return active().name();
+}
 
 void Registry::push_scope(const std::string& name) {
-  if (name != "auto") require(name);
+  if (name != "auto" && !is_external(name.c_str())) require(name);
   scope_stack.push_back(name);
 }
 

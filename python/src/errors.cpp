@@ -24,6 +24,8 @@ void init_errors(nb::module_&) {
       raise("DTypeError", e);
     } catch (const InvalidArgument& e) {
       raise("InvalidArgumentError", e);
+    } catch (const ExternalBackendSelected& e) {
+      raise("ExternalBackendSelected", e);
     } catch (const Unsupported& e) {
       raise("UnsupportedError", e);
     } catch (const BackendUnavailable& e) {

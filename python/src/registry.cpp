@@ -45,7 +45,11 @@ void init_registry(nb::module_& m) {
     return out;
   });
   m.def("active_backend", [] { return Registry::instance().active().name(); });
+  m.def("selected_backend", [] { return Registry::instance().selected_name(); });
+  m.def("external_selected", [] { return Registry::instance().external_choice() != nullptr; });
   m.def("set_backend", [](const std::string& name) { Registry::instance().set_backend(name); });
+  m.def("set_external_backends",
+        [](const std::vector<std::string>& names) { Registry::instance().set_external_backends(names); });
   m.def("push_scope", [](const std::string& name) { Registry::instance().push_scope(name); });
   m.def("pop_scope", [] { Registry::instance().pop_scope(); });
   m.def("load_plugins_from", [](const std::string& dir) { Registry::instance().load_plugins_from(dir); });

@@ -110,6 +110,14 @@ def gelu(x, approximate: str = "none", *, out=None):
     return _unary(_C.gelu, x, out, approximate)
 
 
+# Every op routes XLA arrays (jax, torch_xla) to the XLA shim, and host arrays
+# too while the shim is selected (use("xla"), set_backend, TENSOR_OPS_BACKEND).
+from . import _xla_route as _route
+
+for _name in _route.OPS:
+    globals()[_name] = _route.routed(_name, globals()[_name])
+del _name
+
 __all__ = _ops_all + [
     "Tensor",
     "empty",

@@ -1,68 +1,30 @@
 """Routing of tensor_ops' top-level ops to the XLA shim (tensor_ops.xla):
 XLA arrays always; host arrays (numpy, CPU torch) when the shim is selected:
 by a use() scope, else set_backend(), else TENSOR_OPS_BACKEND (the core's
-order). Results come back as the caller's kind of array."""
+selection, which knows the shim's names). Results come back as the caller's
+kind of array."""
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
+import inspect
 import sys
-import threading
-from typing import Iterator, Optional
 
 import numpy as np
 
 from ._xla_kernels import _jax
-from .errors import DTypeError, InvalidArgumentError
+from . import _C
+from .errors import DTypeError, ExternalBackendSelected, InvalidArgumentError
 from .xla import NAMES, OPS, is_xla_array
-
-
-class _Scopes(threading.local):
-    def __init__(self):
-        self.stack = []  # per thread: True shim, False native, None "auto"
-
-
-_scopes = _Scopes()
-_selected: Optional[bool] = None  # set_backend: True shim, False native, None unset
-# The process environment as os.environ keeps it (bytes keys on POSIX): a
-# lookup per op call costs ~0.1 us there against ~0.8 us through os.environ.
-_env = getattr(os.environ, "_data", None)
-_ENV_KEY = b"TENSOR_OPS_BACKEND"
-_ENV_NAMES = tuple(n.encode() for n in NAMES)
 
 
 def is_name(name) -> bool:
     return isinstance(name, str) and name in NAMES
 
 
-def set_selected(name: Optional[str]) -> None:
-    """Mirror of set_backend(name) (the core keeps the native choice)."""
-    global _selected
-    _selected = None if name in (None, "auto") else is_name(name)
-
-
-@contextlib.contextmanager
-def scope(name: str) -> Iterator[None]:
-    """Mirror of use(name): innermost wins; "auto" falls back to the env."""
-    stack = _scopes.stack
-    stack.append(None if name == "auto" else is_name(name))
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def host_selected() -> bool:
-    stack = _scopes.stack
-    if stack:
-        if stack[-1] is not None:
-            return stack[-1]
-    elif _selected is not None:
-        return _selected
-    if type(_env) is dict:
-        return _env.get(_ENV_KEY) in _ENV_NAMES
-    return os.environ.get("TENSOR_OPS_BACKEND") in NAMES
+# The selection (use / set_backend / TENSOR_OPS_BACKEND) lives in the core,
+# which knows the shim's names (backends.py registers them): an op on host
+# arrays raises ExternalBackendSelected there while the shim is selected.
+host_selected = _C.external_selected
 
 
 _PLAIN = {np.ndarray, float, int, bool, str, type(None)}  # never XLA arrays: skipped at no cost
@@ -72,12 +34,13 @@ def _is_host(a) -> bool:
     if type(a) is np.ndarray or a is None or isinstance(a, (bool, int, float, str, np.generic)):
         return True
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(a, torch.Tensor) and a.device.type == "cpu"
+    return torch is not None and isinstance(a, torch.Tensor) and a.is_cpu
 
 
-def _host_to_jax(a, table: bool = False):
+def _host_to_jax(a, table: bool = False, index: str = ""):
     """numpy / CPU torch -> jax, with the native dtype rules (rope's cos/sin
-    tables may be any float: the op casts them to x's dtype)."""
+    tables may be any float: the op casts them to x's dtype; index arrays must
+    be int32 / int64)."""
     jnp = _jax().numpy
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(a, torch.Tensor):
@@ -85,6 +48,8 @@ def _host_to_jax(a, table: bool = False):
         a = t.view(torch.int16).numpy().view(jnp.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
     if not isinstance(a, np.ndarray):
         return a
+    if index and a.dtype not in (np.int32, np.int64):
+        raise DTypeError(f"{index} must be int32 or int64, got {a.dtype} (shape {a.shape})")
     if table and a.dtype == np.float64:
         a = a.astype(np.float32)
     if a.dtype.kind == "f" and a.dtype not in (np.float16, np.float32):
@@ -111,6 +76,8 @@ def _to_host(r, like):
 
 
 _TABLES = {"rope": (1, 2, "cos", "sin"), "rope_backward": (1, 2, "cos", "sin")}
+_INDEX = {"rope": (3, "positions"), "rope_backward": (3, "positions"), "cross_entropy": (1, "target"),
+          "cross_entropy_with_grad": (1, "target")}
 
 
 def _call(shim, args, kwargs, host: bool):
@@ -121,8 +88,13 @@ def _call(shim, args, kwargs, host: bool):
         return shim(*args, **kwargs)
     like = next((a for a in args if not isinstance(a, (bool, int, float, str, np.generic)) and a is not None), None)
     tables = _TABLES.get(shim.__name__, ())
-    result = _to_host(shim(*[_host_to_jax(a, i in tables) for i, a in enumerate(args)],
-                           **{k: _host_to_jax(v, k in tables) for k, v in kwargs.items()}), like)
+    index = _INDEX.get(shim.__name__, ())
+
+    def conv(key, a):
+        return _host_to_jax(a, key in tables, index[1] if key in index and a is not None else "")
+
+    result = _to_host(shim(*[conv(i, a) for i, a in enumerate(args)], **{k: conv(k, v) for k, v in kwargs.items()}),
+                      like)
     if out is None:
         return result
     if isinstance(out, np.ndarray):
@@ -134,16 +106,72 @@ def _call(shim, args, kwargs, host: bool):
 
 def routed(name: str, native):
     """native op -> the same op, sent to the shim for XLA arrays and, when
-    the shim is selected, for host arrays; anything else runs natively."""
+    the shim is selected, for host arrays; anything else runs natively.
+    A numpy-only call costs one type check per array argument on top of the
+    native op: the core reports a shim selection (ExternalBackendSelected)."""
     shim = OPS[name]
+    plain = _PLAIN
 
-    @functools.wraps(native)
-    def op(*args, **kwargs):
-        for a in (args + tuple(kwargs.values()) if kwargs else args):
-            if type(a) not in _PLAIN and is_xla_array(a):
+    def general(args, kwargs):
+        values = args + tuple(kwargs.values()) if kwargs else args
+        for a in values:
+            if type(a) not in plain and is_xla_array(a):
                 return _call(shim, args, kwargs, host=False)
-        if host_selected() and all(_is_host(a) for a in args) and all(_is_host(a) for a in kwargs.values()):
-            return _call(shim, args, kwargs, host=True)
-        return native(*args, **kwargs)
+        try:
+            return native(*args, **kwargs)
+        except ExternalBackendSelected:
+            return selected(args, kwargs)
 
-    return op
+    def selected(args, kwargs):
+        values = args + tuple(kwargs.values()) if kwargs else args
+        if not all(_is_host(a) for a in values):
+            raise InvalidArgumentError(
+                f"{name}: the XLA shim is selected for host arrays, but the arguments mix host arrays with "
+                f"device tensors ({', '.join(sorted({type(a).__name__ for a in values}))}); move them to one place")
+        return _call(shim, args, kwargs, host=True)
+
+    return _with_signature(native, general, selected)
+
+
+def _with_signature(native, general, selected):
+    """A wrapper with native's own signature (no *args / **kwargs packing on
+    the hot path): numpy arrays go straight to native (the core raises
+    ExternalBackendSelected when the shim is selected); any other array kind
+    (torch / jax / XLA) goes through `general`. Arguments whose default is a
+    plain number, bool or string are options, not arrays: not checked."""
+    sig = inspect.signature(native)
+    params, pos, kw, checks, defaults = [], [], [], [], {}
+    star = False
+    for p in sig.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):  # not expected: keep the generic form
+            return functools.wraps(native)(lambda *a, **k: general(a, k))
+        text = p.name
+        if p.default is not p.empty:
+            defaults["d_" + p.name] = p.default
+            text += "=d_" + p.name
+        if p.kind is p.KEYWORD_ONLY:
+            if not star:
+                params.append("*")
+                star = True
+            kw.append(p.name)
+        else:
+            pos.append(p.name)
+        params.append(text)
+        if p.default is p.empty or p.default is None:
+            checks.append(f"type({p.name}) not in plain")
+    args = f"({', '.join(pos)}{',' if len(pos) == 1 else ''}), {{{', '.join(repr(n) + ': ' + n for n in kw)}}}"
+    call = ", ".join(pos + [f"{n}={n}" for n in kw])
+    factory = ", ".join(["native", "general", "selected", "plain", "ExternalBackendSelected"] + list(defaults))
+    src = (f"def _make({factory}):\n"
+           f"  def op({', '.join(params)}):\n"
+           f"    if {' or '.join(checks) or 'False'}:\n"
+           f"      return general({args})\n"
+           f"    try:\n"
+           f"      return native({call})\n"
+           f"    except ExternalBackendSelected:\n"
+           f"      return selected({args})\n"
+           f"  return op\n")
+    scope = {}
+    exec(compile(src, f"<tensor_ops routed {native.__name__}>", "exec"), {}, scope)  # noqa: S102
+    op = scope["_make"](native, general, selected, _PLAIN, ExternalBackendSelected, **defaults)
+    return functools.wraps(native)(op)

@@ -6,6 +6,13 @@ import dataclasses
 from typing import Any, Dict, Iterator, List, Tuple
 
 from . import _C
+from . import _xla_route as _route
+from . import xla as _xla
+from .errors import BackendUnavailableError
+
+# The XLA shim's names are the Python layer's: the core accepts them in
+# TENSOR_OPS_BACKEND / TENSOR_OPS_PRIORITY and leaves those arrays to us.
+_C.set_external_backends(list(_xla.NAMES))
 
 _DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "accelerator", 3: "other"}
 
@@ -72,31 +79,58 @@ def devices() -> List[DeviceInfo]:
                 properties=_parse_properties(d["properties"]),
             )
         )
-    return out
+    return out + [DeviceInfo(**d) for d in _xla.xla_devices()]
 
 
 def backends() -> List[BackendStatus]:
     """Every backend tensor_ops knows: compiled or not, usable or not, and why."""
-    return [BackendStatus(**{**b, "ops": tuple(b.get("ops", ()))}) for b in _C.backends()]
+    native = [BackendStatus(**{**b, "ops": tuple(b.get("ops", ()))}) for b in _C.backends()]
+    return native + [_shim_status()]
+
+
+def _shim_status() -> BackendStatus:
+    """The XLA shim (python, jax) as a backend: it registers as "tpu" on a TPU
+    host and as "xla" elsewhere; it has every op (ops are listed by kernel name,
+    as the native backends' are)."""
+    kernel_ops = next((b["ops"] for b in _C.backends() if b["name"] == "cpu"), ())
+    return BackendStatus(**_xla.backend_status(), ops=tuple(kernel_ops))
+
+
+def _require_shim(name: str) -> None:
+    status = _shim_status()
+    if not status.usable:
+        usable = ", ".join(b.name for b in backends() if b.usable)
+        raise BackendUnavailableError(f"backend '{name}' is not usable: {status.reason} (usable backends: {usable})")
 
 
 def get_backend() -> str:
     """Name of the backend host arrays run on now (raises if the selection,
     e.g. TENSOR_OPS_BACKEND, names a backend that cannot run)."""
-    return _C.active_backend()
+    name = _C.selected_backend()
+    if _route.is_name(name):
+        _require_shim(name)
+        return _shim_status().name
+    return name
 
 
 def set_backend(name: str | None) -> None:
     """Selects the backend for host arrays; None or "auto" restores automatic
-    selection. Unknown or unusable names raise."""
-    _C.set_backend("auto" if name is None else str(name))
+    selection. "xla" / "tpu" select the XLA shim (tensor_ops.xla). Unknown or
+    unusable names raise."""
+    name = "auto" if name is None else str(name)
+    if _route.is_name(name):
+        _require_shim(name)
+    _C.set_backend(name)
 
 
 @contextlib.contextmanager
 def use(name: str) -> Iterator[str]:
     """`with tensor_ops.use("cpu"):` runs host arrays on that backend in this
-    thread for the block."""
-    _C.push_scope(str(name))
+    thread for the block ("xla" / "tpu": on the XLA shim)."""
+    name = str(name)
+    if _route.is_name(name):
+        _require_shim(name)
+    _C.push_scope(name)
     try:
         yield name
     finally:

@@ -22,6 +22,12 @@ class UnsupportedError(TensorOpsError, NotImplementedError):
     """An op, dtype or feature a backend does not implement."""
 
 
+class ExternalBackendSelected(UnsupportedError):
+    """Raised by the core for host arrays while the selection names a backend
+    served in Python (the XLA shim); the op wrappers catch it and run the op
+    there. Seen by users only if host arrays and device tensors are mixed."""
+
+
 class BackendUnavailableError(TensorOpsError, RuntimeError):
     """A backend that is not compiled in or whose runtime is missing."""
 

@@ -36,7 +36,7 @@ def is_jax_array(x) -> bool:
 def is_torch_xla(x) -> bool:
     # The "xla" device type exists only once torch_xla is imported.
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor) and x.device.type == "xla"
+    return torch is not None and isinstance(x, torch.Tensor) and x.is_xla
 
 
 def is_xla_array(x) -> bool:

@@ -265,6 +265,49 @@ TEST_F(RegistryTest, BackendVariableForcesABackend) {
   }
 }
 
+// Names served outside the core (the Python XLA shim registers "xla", "tpu"):
+// unknown until registered; then every selection path accepts them, the
+// native choice stays automatic, and ops on host data are refused with
+// ExternalBackendSelected so that the registering layer runs them.
+TEST_F(RegistryTest, ExternalBackendsAreSelectableAndRefuseHostOps) {
+  {
+    ScopedEnv env("TENSOR_OPS_BACKEND", "shim");
+    EXPECT_THAT(thrown_message<InvalidArgument>([&] { reg_.active(); }), HasSubstr("unknown backend 'shim'"));
+  }
+  reg_.set_external_backends({"shim"});
+  const std::string automatic = reg_.usable_names().front();
+  {
+    ScopedEnv env("TENSOR_OPS_BACKEND", "shim");
+    EXPECT_EQ(reg_.active().name(), automatic);
+    EXPECT_EQ(reg_.selected_name(), "shim");
+    EXPECT_THROW(reg_.host_backend(), ExternalBackendSelected);
+    {
+      BackendScope cpu("cpu");  // an inner native scope wins
+      EXPECT_EQ(reg_.host_backend().name(), "cpu");
+    }
+  }
+  {
+    ScopedEnv env("TENSOR_OPS_PRIORITY", "shim,cpu");  // accepted in the order, skipped there
+    EXPECT_EQ(reg_.active().name(), "cpu");
+  }
+  reg_.set_backend("shim");
+  EXPECT_EQ(reg_.selected_name(), "shim");
+  EXPECT_EQ(reg_.active().name(), automatic);
+  EXPECT_THROW(reg_.host_backend(), ExternalBackendSelected);
+  reg_.set_backend("cpu");
+  EXPECT_EQ(reg_.host_backend().name(), "cpu");
+  EXPECT_EQ(reg_.external_choice(), nullptr);
+  reg_.set_backend("auto");
+  {
+    BackendScope shim("shim");
+    EXPECT_THROW(reg_.host_backend(), ExternalBackendSelected);
+    EXPECT_EQ(reg_.active().name(), automatic);
+  }
+  EXPECT_EQ(reg_.host_backend().name(), automatic);
+  EXPECT_THAT(thrown_message<InvalidArgument>([&] { reg_.require("bogus"); }), HasSubstr("shim"));
+  reg_.set_external_backends({});
+}
+
 TEST_F(RegistryTest, PriorityVariableOrdersBackends) {
   {
     ScopedEnv env("TENSOR_OPS_PRIORITY", " cpu , cuda");  // spaces around names are fine

@@ -18,12 +18,17 @@ def run_py(code, **env):
 
 def test_backends_lists_every_backend():
     bs = {b.name: b for b in tensor_ops.backends()}
-    assert {"cpu", "cuda", "hip", "sycl", "opencl"} <= set(bs)
+    assert {"cpu", "cuda", "hip", "sycl", "opencl"} <= set(bs) and ({"xla", "tpu"} & set(bs))
     assert bs["cpu"].compiled and bs["cpu"].usable and bs["cpu"].reason == ""
+    # The CPU backend has a kernel for every op; ops of a backend that is not compiled: none.
+    assert len(bs["cpu"].ops) == 16 and {"rms_norm", "attention_backward", "cross_entropy"} <= set(bs["cpu"].ops)
     for b in bs.values():
         if not b.usable:
             assert b.reason, f"{b.name} unusable without a reason"
-        assert set(b.to_dict()) == {"name", "compiled", "usable", "reason", "priority", "library"}
+        if not b.compiled:
+            assert b.ops == ()
+        assert set(b.ops) <= set(bs["cpu"].ops)
+        assert set(b.to_dict()) == {"name", "compiled", "usable", "reason", "priority", "library", "ops"}
 
 
 def test_devices_have_cpu_with_isa():

@@ -59,6 +59,20 @@ class DeviceError : public Error {
   explicit DeviceError(const std::string& w) : Error(w, TO_ERR_DEVICE) {}
 };
 
+// The selection (use / set_backend / TENSOR_OPS_BACKEND) names a backend
+// served outside the core (Registry::set_external_backends): the layer that
+// registered it catches this and runs the op itself.
+class ExternalBackendSelected : public Unsupported {
+ public:
+  explicit ExternalBackendSelected(const std::string& backend)
+      : Unsupported("backend '" + backend + "' is selected; it is served by the layer that registered it, not the core"),
+        backend_(backend) {}
+  const std::string& backend() const { return backend_; }
+
+ private:
+  std::string backend_;
+};
+
 // Throws the exception class that matches a plugin status.
 [[noreturn]] void throw_status(to_status status, const std::string& message);
 

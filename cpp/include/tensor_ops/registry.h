@@ -62,9 +62,16 @@ class Registry {
 
   // The backend host data runs on: use() scope > set_backend() >
   // TENSOR_OPS_BACKEND > TENSOR_OPS_PRIORITY order > default priority.
+  // A selection naming an external backend counts as automatic here.
   Backend& active() const;
+  // The backend an op on host data runs on: active(), except that a selection
+  // naming an external backend throws ExternalBackendSelected.
+  Backend& host_backend() const;
+  // The external backend the selection names, or nullptr.
+  const std::string* external_choice() const;
   // "auto" or "" returns to automatic selection.
   void set_backend(const std::string& name);
+  // The selected backend's name (an external one included).
   std::string selected_name() const;
   // Thread-local scope used by the Python `use(...)` context.
   void push_scope(const std::string& name);
@@ -73,6 +80,12 @@ class Registry {
   // Names accepted by set_backend / TENSOR_OPS_BACKEND.
   std::vector<std::string> known_names() const;
   std::vector<std::string> usable_names() const;
+
+  // Backends served outside the core (the Python XLA shim: "xla", "tpu").
+  // TENSOR_OPS_BACKEND / TENSOR_OPS_PRIORITY may name them: the core then
+  // makes its own automatic choice for whatever the outside layer does not
+  // take. Unregistered, such a name is an unknown backend (C embedders).
+  void set_external_backends(std::vector<std::string> names);
 
   // Loads libtensor_ops_*.so from `dir` (tests use this for a mock plugin).
   void load_plugins_from(const std::string& dir);
@@ -85,7 +98,10 @@ class Registry {
 
   std::vector<std::unique_ptr<Backend>> backends_;
   std::vector<BackendStatus> missing_;  // known names with no plugin
+  std::vector<std::string> external_;   // set_external_backends (set once, at import)
+  bool is_external(const char* name) const;
   std::atomic<Backend*> selected_backend_{nullptr};  // set_backend(); nullptr = auto
+  std::atomic<int> selected_external_{-1};           // set_backend() of external_[i]
   std::atomic<uint64_t> generation_{1};              // bumped when plugins load
 };
 
