@@ -80,6 +80,49 @@ inline double dot_f(const float* a, const float* b, int64_t n) {
   return total;
 }
 
+// max(scale * v[i]) over [0, n), storing the scaled values: 16 lanes so the
+// loop vectorises (a single running max is a serial chain). NaN propagates
+// (a NaN lane stays NaN: `a > m ? a : m` keeps m, so NaN is checked apart).
+inline float scale_max_f(float* v, int64_t n, float scale) {
+  float acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = -__builtin_inff();
+  int nan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) {
+      const float a = v[i + j] * scale;
+      v[i + j] = a;
+      acc[j] = a > acc[j] ? a : acc[j];
+      nan |= a != a;
+    }
+  for (; i < n; ++i) {
+    const float a = v[i] * scale;
+    v[i] = a;
+    acc[i & 15] = a > acc[i & 15] ? a : acc[i & 15];
+    nan |= a != a;
+  }
+  float m = acc[0];
+  for (int j = 1; j < 16; ++j) m = acc[j] > m ? acc[j] : m;
+  return nan ? __builtin_nanf("") : m;
+}
+
+// sum(exp(v[i] - m)), fp32 lanes per block, double across blocks.
+inline double sum_exp_f(const float* v, int64_t n, float m) {
+  double total = 0;
+  for (int64_t c = 0; c < n; c += kBlock) {
+    const int64_t len = min64(kBlock, n - c);
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16)
+      for (int j = 0; j < 16; ++j) acc[j] += exp_f32(v[c + i + j] - m);
+    for (; i < len; ++i) acc[i & 15] += exp_f32(v[c + i] - m);
+    float s = 0;
+    for (int j = 0; j < 16; ++j) s += acc[j];
+    total += s;
+  }
+  return total;
+}
+
 // Short dot product (attention head dims): fp32 lanes, no double.
 inline float dot_short(const float* a, const float* b, int64_t n) {
   float acc[16] = {0};
@@ -114,7 +157,7 @@ int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
     const double var = dot_f(buf, buf, cols) / double(cols);
     const float rstd = float(1.0 / __builtin_sqrt(var + double(eps)));
     for (int64_t i = 0; i < cols; ++i) buf[i] = buf[i] * rstd * wf[i] + bf[i];
-    st<D>(buf, y.data, r * y.strides[0], cols);
+    put<D>(buf, y.data, r * y.strides[0], cols, c.ints[7]);
   }
   return 0;
 }
@@ -202,17 +245,13 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
       valid = i + cols - lq + 1;
       valid = valid < 0 ? 0 : (valid > cols ? cols : valid);
     }
-    float m = ninf;
-    for (int64_t j = 0; j < valid; ++j) {
-      v[j] *= scale;
-      m = v[j] > m ? v[j] : m;
-    }
+    const float m = scale_max_f(v, valid, scale);
     if (valid == 0) {
       for (int64_t j = 0; j < cols; ++j) v[j] = log ? ninf : 0.0f;
     } else {
       double sum = 0;
       if (log) {
-        for (int64_t j = 0; j < valid; ++j) sum += double(exp_f32(v[j] - m));
+        sum = sum_exp_f(v, valid, m);
         const float lse = m + float(__builtin_log(sum));
         for (int64_t j = 0; j < valid; ++j) v[j] -= lse;
         for (int64_t j = valid; j < cols; ++j) v[j] = ninf;
@@ -253,18 +292,18 @@ int softmax_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scrat
 
 // ---- activations and gated units (flat element ranges) -------------------
 
-inline float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
+TENSOR_OPS_VEC_INLINE float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
 
 // The activation is a template argument so the per-element loops carry no
 // branch and vectorise.
 template <int A>
-inline float act_f32(float x) {
+TENSOR_OPS_VEC_INLINE float act_f32(float x) {
   return A == 0 ? silu_f32(x) : (A == 1 ? gelu_erf_f32(x) : gelu_tanh_f32(x));
 }
 
 // d act / dx
 template <int A>
-inline float act_grad_f32(float x) {
+TENSOR_OPS_VEC_INLINE float act_grad_f32(float x) {
   if constexpr (A == 0) {
     const float s = sigmoid_f32(x);
     return s * (1.0f + x * (1.0f - s));

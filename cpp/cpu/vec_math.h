@@ -2,17 +2,24 @@
 // Included inside each ISA namespace by kernels_impl.h: no includes here and
 // nothing shared between ISA translation units (so no out-of-line copy built
 // for AVX-512 can be picked by baseline code).
+//
+// Every function here is force-inlined: a loop calling an out-of-line copy
+// cannot vectorise. GCC had outlined exp_f32 and erfc_f32 (called from many
+// kernels), which made gelu (erf) and softmax run scalar, a call per element.
+#ifndef TENSOR_OPS_VEC_INLINE
+#define TENSOR_OPS_VEC_INLINE inline __attribute__((always_inline))
+#endif
 
-inline float bits_to_f32(uint32_t u) { return __builtin_bit_cast(float, u); }
-inline uint32_t f32_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
+TENSOR_OPS_VEC_INLINE float bits_to_f32(uint32_t u) { return __builtin_bit_cast(float, u); }
+TENSOR_OPS_VEC_INLINE uint32_t f32_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
 
-inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+TENSOR_OPS_VEC_INLINE float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
 // e^x, ~1 ulp on [-87.3, 88.3] (Cephes expf); inputs outside are clamped,
 // NaN stays NaN. The integer exponent is read from the bits of the rounding
 // sum rather than by a float-to-int conversion (undefined for NaN), and the
 // whole body stays select-only so the calling loops vectorise.
-inline float exp_f32(float x) {
+TENSOR_OPS_VEC_INLINE float exp_f32(float x) {
   float xc = clampf(x, -87.3f, 88.3f);
   xc = x != x ? x : xc;
   const float t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
@@ -30,11 +37,11 @@ inline float exp_f32(float x) {
   return p * bits_to_f32((ni + 127u) << 23);
 }
 
-inline float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
+TENSOR_OPS_VEC_INLINE float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
 
 // erfc via Numerical Recipes' erfcc (fractional error < 1.2e-7 everywhere),
 // so gelu keeps its relative accuracy in the negative tail too.
-inline float erfc_f32(float t) {
+TENSOR_OPS_VEC_INLINE float erfc_f32(float t) {
   const float z = __builtin_fabsf(t);
   const float u = 1.0f / (1.0f + 0.5f * z);
   float p = 0.17087277f;
@@ -53,24 +60,24 @@ inline float erfc_f32(float t) {
   return ans + neg * (2.0f - 2.0f * ans);
 }
 
-inline float gelu_erf_f32(float x) { return 0.5f * x * erfc_f32(x * -0.70710678118654752f); }
+TENSOR_OPS_VEC_INLINE float gelu_erf_f32(float x) { return 0.5f * x * erfc_f32(x * -0.70710678118654752f); }
 
 // 0.5 x (1 + tanh(u)) == x * sigmoid(2u): no cancellation for small u.
-inline float gelu_tanh_f32(float x) {
+TENSOR_OPS_VEC_INLINE float gelu_tanh_f32(float x) {
   const float u = 0.79788456080286536f * (x + 0.044715f * x * x * x);
   return x / (1.0f + exp_f32(-2.0f * u));
 }
 
-inline float bf16_bits_to_f32(uint16_t h) { return bits_to_f32(uint32_t(h) << 16); }
+TENSOR_OPS_VEC_INLINE float bf16_bits_to_f32(uint16_t h) { return bits_to_f32(uint32_t(h) << 16); }
 
-inline uint16_t f32_to_bf16_bits(float f) {
+TENSOR_OPS_VEC_INLINE uint16_t f32_to_bf16_bits(float f) {
   const uint32_t u = f32_to_bits(f);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   const uint32_t nan = (u >> 16) | 0x40u;
   return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
-inline float half_bits_to_f32(uint16_t h) {
+TENSOR_OPS_VEC_INLINE float half_bits_to_f32(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   const uint32_t em = h & 0x7fffu;
   // Normal: rebias the exponent; denormal: mant * 2^-24 (exact, and immune
@@ -81,7 +88,7 @@ inline float half_bits_to_f32(uint16_t h) {
   return bits_to_f32(f32_to_bits(v) | sign);
 }
 
-inline uint16_t f32_to_half_bits(float f) {
+TENSOR_OPS_VEC_INLINE uint16_t f32_to_half_bits(float f) {
   const uint32_t u = f32_to_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t a = u & 0x7fffffffu;
