@@ -33,7 +33,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask: Optional[torch.Tensor] = No
     [batch, heads, seq, head_dim] (kv heads may divide q heads): attn_mask
     bool (True attends) or additive, broadcastable to [batch, heads, Lq, Lk];
     is_causal bottom-right aligned (SDPA's when Lq == Lk); dropout_p applied
-    when `training`. A row that attends to nothing gives zeros."""
+    when `training`. A row that attends to nothing gives zeros, as SDPA's
+    (its gradient is not defined)."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     dropout = dropout_p if training else 0.0
@@ -49,6 +50,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask: Optional[torch.Tensor] = No
     if attn_mask is not None:
         scores = scores + _additive(attn_mask, scores.dtype) * (1.0 / s)  # our softmax multiplies all by s
     probs = ops.softmax(scores, -1, s, is_causal)
+    if attn_mask is not None:  # a row with every key masked is NaN here; SDPA gives zeros
+        probs = probs.nan_to_num_(0.0) if not probs.requires_grad else probs.nan_to_num(0.0)
     if dropout:
         probs = F.dropout(probs, dropout, True)
     return torch.matmul(probs, v)
