@@ -207,7 +207,9 @@ class TensorOpsConfig:
     def validate(self) -> None:
         """Checks values and names (backend, precision) before anything is applied."""
         if self.backend is not None and self.backend != "auto":
-            known = [b["name"] for b in _C.backends()]
+            from .xla import NAMES as xla_names  # the XLA shim's names, routed by set_backend where supported
+
+            known = [b["name"] for b in _C.backends()] + [n for n in xla_names if n not in {b["name"] for b in _C.backends()}]
             if self.backend not in known:
                 raise InvalidArgumentError(
                     f"unknown backend {self.backend!r}; valid backends: auto, {', '.join(known)}")
