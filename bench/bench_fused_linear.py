@@ -107,7 +107,7 @@ def markdown(rows, threads: int, reps: int) -> str:
              f"{machine()} · {threads} threads (torch and tensor_ops) · {reps} round-robin reps · "
              f"torch {torch.__version__}", "",
              "ours: `FusedLinearGELU` / `FusedLinearSiLU` (torch's addmm, then our activation kernel in "
-             "place under no_grad; with autograd, out of place + our activation_backward). torch: "
+             "place under no_grad; with autograd, out of place, then our activation_backward (torch's gelu_backward for erf GELU)). torch: "
              "`F.linear` then `F.gelu` / `F.silu`. Median ms (p25-p75); speedup = torch / ours.", "",
              "| tokens x in -> out | activation | pass | tensor_ops fused ms | torch Linear then act ms | speedup |",
              "|---|---|---|---|---|---|"]

@@ -14,7 +14,7 @@ from .modules import GELU, Attention, LayerNorm, RMSNorm, SiLU, SwiGLU
 from .prepare import (
     OptimizationLevel, OptimizationResult, ValidationResult, prepare_model, validate_model,
 )
-from .attention import FlashAttention, FlashAttention3, scaled_dot_product_attention
+from .flash_attention import FlashAttention, FlashAttention3, scaled_dot_product_attention
 from .fused_linear import FusedLinearGELU, FusedLinearSiLU, linear_activation, prepare_model_with_custom_kernels
 from tensor_ops import BackendUnavailableError, DeviceInfo
 
