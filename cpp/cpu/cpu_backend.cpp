@@ -399,4 +399,6 @@ void set_isa(const std::string& name) {
 
 int num_threads() { return ThreadPool::instance().num_threads(); }
 
+void set_num_threads(int threads) { ThreadPool::instance().set_num_threads(threads); }
+
 }  // namespace tensor_ops::cpu

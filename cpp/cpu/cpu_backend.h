@@ -18,5 +18,7 @@ std::string active_isa();
 // lacks. "auto" returns to the best level.
 void set_isa(const std::string& name);
 int num_threads();
+// Resizes the CPU thread pool (clamped to 1..1024); waits for a running op.
+void set_num_threads(int threads);
 
 }  // namespace tensor_ops::cpu

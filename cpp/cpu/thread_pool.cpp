@@ -26,17 +26,36 @@ ThreadPool& ThreadPool::instance() {
   return pool;
 }
 
-ThreadPool::ThreadPool(int threads) : num_threads_(threads < 1 ? 1 : threads) {
-  for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i] { worker(i); });
+ThreadPool::ThreadPool(int threads) : num_threads_(threads < 1 ? 1 : threads) { start_workers(); }
+
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+int ThreadPool::num_threads() const { return num_threads_.load(std::memory_order_relaxed); }
+
+// New workers start at the current generation, so they wait for the next region.
+void ThreadPool::start_workers() {
+  const uint64_t seen = generation_;
+  for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i, seen] { worker(i, seen); });
 }
 
-ThreadPool::~ThreadPool() {
+void ThreadPool::stop_workers() {
   {
     std::lock_guard<std::mutex> lock(m_);
     stop_ = true;
   }
   start_cv_.notify_all();
   for (auto& t : workers_) t.join();
+  workers_.clear();
+  stop_ = false;
+}
+
+void ThreadPool::set_num_threads(int threads) {
+  threads = threads < 1 ? 1 : threads > 1024 ? 1024 : threads;
+  std::lock_guard<std::mutex> run(run_mutex_);  // waits for a running region to finish
+  if (threads == num_threads_) return;
+  stop_workers();
+  num_threads_ = threads;
+  start_workers();
 }
 
 static void chunk_range(int64_t n, int64_t chunks, int64_t i, int64_t& b, int64_t& e) {
@@ -44,8 +63,7 @@ static void chunk_range(int64_t n, int64_t chunks, int64_t i, int64_t& b, int64_
   e = n * (i + 1) / chunks;
 }
 
-void ThreadPool::worker(int index) {
-  uint64_t seen = 0;
+void ThreadPool::worker(int index, uint64_t seen) {
   for (;;) {
     std::unique_lock<std::mutex> lock(m_);
     start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -67,9 +85,9 @@ void ThreadPool::worker(int index) {
 void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   if (grain < 1) grain = 1;
-  int64_t chunks = n / grain;
-  if (chunks > num_threads_) chunks = num_threads_;
   std::unique_lock<std::mutex> run(run_mutex_, std::try_to_lock);
+  int64_t chunks = n / grain;
+  if (chunks > num_threads_) chunks = num_threads_;  // read under run_mutex_: set_num_threads holds it
   if (chunks <= 1 || !run.owns_lock()) {
     fn(0, n);
     return;

@@ -3,6 +3,7 @@
 // TENSOR_OPS_NUM_THREADS environment variable, else the CPUs this process may
 // run on. One parallel region at a time; a caller that finds the pool busy
 // (another thread's op) runs its work inline instead of waiting.
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -16,16 +17,21 @@ class ThreadPool {
  public:
   static ThreadPool& instance();
   ~ThreadPool();
-  int num_threads() const { return num_threads_; }
+  int num_threads() const;
+  // Resizes the pool (1..1024 threads) once no parallel region is running;
+  // regions started afterwards use the new size.
+  void set_num_threads(int threads);
   // Calls fn(begin, end) over [0, n) split into at most num_threads() ranges
   // of at least `grain` items each.
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
  private:
   explicit ThreadPool(int threads);
-  void worker(int index);
+  void start_workers();
+  void stop_workers();
+  void worker(int index, uint64_t seen);
 
-  int num_threads_;
+  std::atomic<int> num_threads_;
   std::vector<std::thread> workers_;
   std::mutex run_mutex_;  // one parallel region at a time
   std::mutex m_;

@@ -56,7 +56,7 @@ std::vector<int64_t> shape_arg(const std::vector<int64_t>& s) { return s; }
 }  // namespace
 
 void init_memory(nb::module_& m) {
-  nb::class_<Tensor>(m, "Tensor", "Device-resident data owned by a tensor_ops pool block.")
+  nb::class_<Tensor>(m, "Tensor", "Device-resident data owned by a tensor_ops pool block.", nb::is_weak_referenceable())
       .def_prop_ro("shape", [](const Tensor& t) {
         nb::list l;
         for (int64_t d : t.shape()) l.append(d);

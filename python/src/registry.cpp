@@ -58,6 +58,7 @@ void init_registry(nb::module_& m) {
   m.def("cpu_active_isa", &cpu::active_isa);
   m.def("cpu_set_isa", &cpu::set_isa);
   m.def("cpu_num_threads", &cpu::num_threads);
+  m.def("cpu_set_num_threads", &cpu::set_num_threads, nb::call_guard<nb::gil_scoped_release>());
 }
 
 }  // namespace tensor_ops::python

@@ -40,6 +40,11 @@ from .errors import (
     TensorOpsError,
     UnsupportedError,
 )
+# The seed guides' API: named tensor pools, hardware detection, configuration.
+from .errors import CUDANotAvailableError, KernelLaunchError, MemoryAllocationError
+from .pools import allocate_tensor, clear_pool, get_memory_stats, pool_stats, return_to_pool, set_pool_limits
+from .hardware import HardwareDetector, HardwareProfile, HardwareType, backend_info, detect_hardware
+from .config import TensorOpsConfig, configure, get_config
 
 __version__ = "0.1.0"
 
@@ -146,4 +151,21 @@ __all__ = _ops_all + [
     "BackendUnavailableError",
     "OutOfMemoryError",
     "DeviceError",
+    "MemoryAllocationError",
+    "KernelLaunchError",
+    "CUDANotAvailableError",
+    "allocate_tensor",
+    "return_to_pool",
+    "clear_pool",
+    "set_pool_limits",
+    "pool_stats",
+    "get_memory_stats",
+    "HardwareDetector",
+    "HardwareProfile",
+    "HardwareType",
+    "backend_info",
+    "detect_hardware",
+    "TensorOpsConfig",
+    "configure",
+    "get_config",
 ]

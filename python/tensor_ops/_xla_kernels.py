@@ -153,7 +153,9 @@ def _attn(qf, kf, vf, scale, causal):
     B, Hq, Lq, D = qf.shape
     Hkv, Lk = kf.shape[1], kf.shape[2]
     qg = qf.reshape(B, Hkv, Hq // Hkv, Lq, D)
-    hi = lax.Precision.HIGHEST
+    # Full fp32 unless the user set jax_default_matmul_precision (tpu.precision
+    # of a TensorOpsConfig); jit's cache key includes that setting.
+    hi = lax.Precision.HIGHEST if jax.config.jax_default_matmul_precision is None else None
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, kf, precision=hi) * scale
     keep = _causal_keep(Lq, Lk) if causal else None
     if keep is not None:

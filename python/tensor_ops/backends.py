@@ -151,4 +151,7 @@ def get_backend_info() -> Dict[str, Any]:
             "supported_isas": list(_C.cpu_supported_isas()),
             "num_threads": _C.cpu_num_threads(),
         }
+    from .hardware import backend_info  # airllm's flat keys: simd_level, has_avx2, threads, device_name...
+
+    info.update({k: v for k, v in backend_info(name).items() if k not in info})
     return info

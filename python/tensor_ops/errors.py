@@ -32,12 +32,23 @@ class BackendUnavailableError(TensorOpsError, RuntimeError):
     """A backend that is not compiled in or whose runtime is missing."""
 
 
-class OutOfMemoryError(TensorOpsError, RuntimeError):
+class MemoryAllocationError(TensorOpsError, RuntimeError):
+    """An allocation failed or cannot be served (a bad request to a tensor
+    pool, a tensor returned to a pool it did not come from)."""
+
+
+class OutOfMemoryError(MemoryAllocationError):
     """A device ran out of memory."""
 
 
 class DeviceError(TensorOpsError, RuntimeError):
     """A vendor runtime call failed."""
+
+
+# The seed guides' names for the same failures: a kernel that fails to launch
+# is a failed vendor call, and CUDA missing is one case of a backend missing.
+KernelLaunchError = DeviceError
+CUDANotAvailableError = BackendUnavailableError
 
 
 __all__ = [
@@ -47,6 +58,9 @@ __all__ = [
     "LayoutError",
     "UnsupportedError",
     "BackendUnavailableError",
+    "MemoryAllocationError",
     "OutOfMemoryError",
     "DeviceError",
+    "KernelLaunchError",
+    "CUDANotAvailableError",
 ]

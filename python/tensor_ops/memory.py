@@ -12,6 +12,10 @@ Tensor = _C.Tensor
 
 
 def _device(device) -> str:
+    if device is None:
+        from .config import default_device  # an applied TensorOpsConfig's OpenCL device choice
+
+        device = default_device()
     return "" if device is None else str(device)
 
 

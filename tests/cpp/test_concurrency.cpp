@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend_scope.h"
+#include "cpu/cpu_backend.h"
 #include "tensor_ops/errors.h"
 #include "tensor_ops/ops.h"
 #include "tensor_ops/registry.h"
@@ -101,6 +102,39 @@ TEST_F(Concurrency, CpuOpsFromEightThreadsMatchSerialResults) {
     }
   });
   EXPECT_EQ(mismatches.load(), 0) << "seeds 1.." << kThreads;
+}
+
+// The CPU pool resized (cpu::set_num_threads, TensorOpsConfig's cpu.threads)
+// while other threads run ops: every result stays bitwise what it was alone.
+TEST_F(Concurrency, CpuPoolResizedWhileOpsRun) {
+  BackendScope cpu("cpu");
+  const int before = cpu::num_threads();
+  std::vector<Work> expected, got;
+  for (int t = 0; t < kThreads; ++t) {
+    expected.emplace_back(uint32_t(t + 50));
+    expected.back().run();
+    got.emplace_back(uint32_t(t + 50));
+  }
+  std::atomic<int> mismatches{0};
+  on_threads([&](int t) {
+    BackendScope scope("cpu");
+    for (int i = 0; i < kIterations; ++i) {
+      if (t == 0) {
+        cpu::set_num_threads(1 + i % 4);
+        continue;
+      }
+      got[size_t(t)].run();
+      if (!same_bits(got[size_t(t)].y_rms, expected[size_t(t)].y_rms) ||
+          !same_bits(got[size_t(t)].y_soft, expected[size_t(t)].y_soft) ||
+          !same_bits(got[size_t(t)].y_silu, expected[size_t(t)].y_silu))
+        mismatches.fetch_add(1);
+    }
+  });
+  EXPECT_EQ(mismatches.load(), 0);
+  EXPECT_EQ(cpu::num_threads(), 1 + (kIterations - 1) % 4);
+  cpu::set_num_threads(0);
+  EXPECT_EQ(cpu::num_threads(), 1);  // clamped
+  cpu::set_num_threads(before);
 }
 
 TEST_F(Concurrency, CpuAndMockBackendsAtOnce) {

@@ -14,6 +14,8 @@ from .modules import GELU, Attention, LayerNorm, RMSNorm, SiLU, SwiGLU
 from .prepare import (
     OptimizationLevel, OptimizationResult, ValidationResult, prepare_model, validate_model,
 )
+from .flash_attention import FlashAttention, FlashAttention3, scaled_dot_product_attention
+from .fused_linear import FusedLinearGELU, FusedLinearSiLU, linear_activation, prepare_model_with_custom_kernels
 from tensor_ops import BackendUnavailableError, DeviceInfo
 
 __all__ = [
@@ -25,4 +27,6 @@ __all__ = [
     "softmax", "softmax_backward", "swiglu", "swiglu_backward",
     "GELU", "Attention", "LayerNorm", "RMSNorm", "SiLU", "SwiGLU",
     "OptimizationLevel", "OptimizationResult", "ValidationResult", "prepare_model", "validate_model",
+    "FlashAttention", "FlashAttention3", "scaled_dot_product_attention",
+    "FusedLinearGELU", "FusedLinearSiLU", "linear_activation", "prepare_model_with_custom_kernels",
 ]

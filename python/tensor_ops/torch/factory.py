@@ -110,6 +110,12 @@ class Backend:
             raise ValueError(f"{self.name} has {len(found)} device(s); device_id {i} is out of range")
         return found[i]
 
+    def info(self) -> Dict[str, Any]:
+        """tensor_ops.backend_info(name): availability, ops, devices, and the
+        CPU's simd_level / has_avx2 / has_avx512 / has_fma / threads or a
+        device's name, compute capability and memory."""
+        return tensor_ops.backend_info(self.name)
+
     def to_device(self, obj):
         """A tensor or module on this backend's torch device (modules move in
         place, as Module.to does)."""

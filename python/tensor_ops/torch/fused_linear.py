@@ -1,0 +1,157 @@
+"""Linear + activation (the seeds' FusedLinearGELU / FusedLinearSiLU and
+prepare_model_with_custom_kernels).
+
+The GEMM is torch's (addmm: MKL / oneDNN on the CPU, cuBLAS / hipBLAS on
+GPUs, with the bias folded into the GEMM); the activation is our kernel run
+in place on the GEMM's output, so there is no second output tensor and no
+extra pass through torch's dispatcher. Without autograd (inference, or
+torch.no_grad) that is the whole forward. With autograd the pre-activation
+must survive for the backward, so the activation writes a new tensor; the
+backward is our activation_backward kernel (torch's for erf GELU, which is
+faster for now) then torch's matmuls."""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Tuple
+
+import torch
+from torch import nn
+
+import tensor_ops as _to
+
+from . import functional as ops
+
+_log = logging.getLogger("tensor_ops")
+
+
+def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    return torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
+
+
+def _activate_(h: torch.Tensor, act: str) -> torch.Tensor:
+    """act(h) written over h."""
+    if act == "silu":
+        return _to.silu(h, out=h)
+    return _to.gelu(h, "tanh" if act == "gelu_tanh" else "none", out=h)
+
+
+class _LinearActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, act):
+        h = _gemm(x2, weight, bias)
+        ctx.save_for_backward(x2, weight, h)
+        ctx.act, ctx.has_bias = act, bias is not None
+        return ops.silu(h) if act == "silu" else ops.gelu(h, "tanh" if act == "gelu_tanh" else "none")
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, h = ctx.saved_tensors
+        dy = dy.contiguous()
+        if ctx.act == "silu":
+            dh = ops.silu_backward(dy, h)
+        elif ctx.act == "gelu_tanh":
+            dh = ops.gelu_backward(dy, h, "tanh")
+        else:
+            # Our erf GELU backward kernel measured ~8x slower than torch's on
+            # float32[2048, 3072] (2 AVX2 threads, 2026-11): torch's, until it is not.
+            dh = torch.ops.aten.gelu_backward(dy, h, approximate="none")
+        dx = dh.mm(weight) if ctx.needs_input_grad[0] else None
+        dw = dh.t().mm(x2) if ctx.needs_input_grad[1] else None
+        db = dh.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None
+
+
+def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias=None, activation: str = "gelu") -> torch.Tensor:
+    """activation(x @ weight.T + bias), activation "gelu", "gelu_tanh" or
+    "silu", on any leading dims of x."""
+    if activation not in ("gelu", "gelu_tanh", "silu"):
+        raise ValueError(f"activation must be 'gelu', 'gelu_tanh' or 'silu', got {activation!r}")
+    x2 = x.reshape(-1, x.shape[-1])
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    if grad:
+        y = _LinearActivation.apply(x2, weight, bias, activation)
+    elif torch.compiler.is_compiling() or type(x) is not torch.Tensor:
+        h = _gemm(x2, weight, bias)  # traced: the custom op, out of place
+        y = ops.silu(h) if activation == "silu" else ops.gelu(h, "tanh" if activation == "gelu_tanh" else "none")
+    else:
+        y = _activate_(_gemm(x2, weight, bias), activation)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class FusedLinearGELU(nn.Linear):
+    """nn.Linear followed by GELU (approximate "none" or "tanh"): the same
+    parameters and state_dict as nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, approximate: str = "none",
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_activation(x, self.weight, self.bias, "gelu_tanh" if self.approximate == "tanh" else "gelu")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, approximate={self.approximate!r}"
+
+
+class FusedLinearSiLU(nn.Linear):
+    """nn.Linear followed by SiLU, nn.Linear's parameters and state_dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_activation(x, self.weight, self.bias, "silu")
+
+
+def _fuse(linear: nn.Linear, act: nn.Module):
+    """linear turned, in place (a class swap: same object, same Parameters),
+    into the fused module for act; None when act is not GELU / SiLU."""
+    if isinstance(act, nn.GELU):
+        linear.__class__ = FusedLinearGELU
+        linear.approximate = act.approximate
+        return linear
+    if isinstance(act, nn.SiLU):
+        linear.__class__ = FusedLinearSiLU
+        return linear
+    return None
+
+
+def _fuse_sequentials(m: nn.Module, counts: collections.Counter) -> None:
+    for child in m.children():
+        _fuse_sequentials(child, counts)
+    if not isinstance(m, nn.Sequential):
+        return
+    names = list(m._modules)
+    for a, b in zip(names, names[1:]):
+        lin, act = m._modules[a], m._modules[b]
+        if type(lin) is nn.Linear and not isinstance(act, nn.Identity):
+            fused = _fuse(lin, act)
+            if fused is not None:
+                m._modules[b] = nn.Identity()
+                counts[f"Linear + {type(act).__name__} -> tensor_ops.torch.{type(fused).__name__}"] += 1
+
+
+def prepare_model_with_custom_kernels(model: nn.Module, level="O1", **prepare_options) -> Tuple[nn.Module, object]:
+    """Fuses every nn.Linear directly followed by nn.GELU / nn.SiLU in an
+    nn.Sequential into FusedLinearGELU / FusedLinearSiLU (the same Parameter
+    objects; the activation's slot becomes nn.Identity, so state_dict keys do
+    not change), then prepare_model(model, level, ...) for the other swaps.
+    Returns prepare_model's (model, OptimizationResult), the fusions listed
+    first in optimizations_applied."""
+    from .prepare import prepare_model
+
+    counts: collections.Counter = collections.Counter()
+    _fuse_sequentials(model, counts)
+    model, result = prepare_model(model, level, **prepare_options)
+    fused = [f"{what} x{n}" for what, n in sorted(counts.items())]
+    if fused:
+        result.warnings = [w for w in result.warnings if not w.startswith("O1: no module")]
+    result.optimizations_applied[1:1] = fused  # after device placement
+    result.metrics["linear_activation_fusions"] = sum(counts.values())
+    _log.debug("prepare_model_with_custom_kernels: %s", fused or "no Linear + GELU/SiLU pair")
+    return model, result
+
+
+__all__ = ["FusedLinearGELU", "FusedLinearSiLU", "linear_activation", "prepare_model_with_custom_kernels"]
