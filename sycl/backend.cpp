@@ -382,11 +382,11 @@ to_status run(const to_op_call* call, const char* op, Body body) {
 float* scratch_floats(Device& d, size_t n) {
   const size_t bytes = std::max<size_t>(n, 1) * sizeof(float);
   if (bytes > d.scratch_bytes) {
+    const size_t grown = std::max(bytes, 2 * d.scratch_bytes);
     d.queue.wait();
     if (d.scratch) sycl::free(d.scratch, d.queue);
     d.scratch = nullptr;
     d.scratch_bytes = 0;
-    const size_t grown = std::max(bytes, 2 * d.scratch_bytes);
     d.scratch = sycl::malloc_device(grown, d.queue);
     if (!d.scratch)
       throw sycl::exception(sycl::make_error_code(sycl::errc::memory_allocation),

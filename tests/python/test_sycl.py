@@ -298,3 +298,15 @@ def test_in_place(dtype, rng):
     tg = dev(x)
     tensor_ops.swiglu(tg, dev(u), out=tg)
     close(tg, on_cpu(tensor_ops.swiglu, x, u), dtype, "swiglu in place")
+
+
+def test_attention_empty_sides(sycl, rng):
+    """No queries: dk, dv are zeros; no keys: out zeros, lse -inf, dq zeros."""
+    q0, k, v = np.ones((1, 2, 0, 8), np.float32), make(rng, (1, 1, 5, 8), "float32"), make(rng, (1, 1, 5, 8), "float32")
+    dq, dk, dv = tensor_ops.attention_backward(q0, q0, k, v, q0, np.ones((1, 2, 0), np.float32))
+    assert dq.shape == q0.shape and not np.any(dk) and not np.any(dv)
+    q, k0 = make(rng, (1, 2, 3, 8), "float32"), np.ones((1, 1, 0, 8), np.float32)
+    out, lse = tensor_ops.attention(q, k0, k0, return_lse=True)
+    assert not np.any(out) and np.all(lse == -np.inf)
+    dq, dk, dv = tensor_ops.attention_backward(q, q, k0, k0, out, lse)
+    assert not np.any(dq) and dk.shape == dv.shape == k0.shape
