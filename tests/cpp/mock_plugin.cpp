@@ -3,6 +3,7 @@
 //   mockbroken  init() fails as if its vendor runtime were missing;
 //   mockbadabi  its table claims an ABI version the core does not speak.
 // Its "device memory" is host memory, so tests can read what a kernel wrote.
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -22,10 +23,12 @@
 namespace {
 
 thread_local std::string last_error_text;
-// What tests inspect: the last call a kernel received (the views the core
-// built) and the copies made, by kind (0 host->device, 1 device->host, 2 on device).
-to_op_call last_call{};
-uint64_t copies[3] = {0, 0, 0};
+// What tests inspect: the last call a kernel received on this thread (the
+// views the core built) and the copies made, by kind (0 host->device,
+// 1 device->host, 2 on device). Thread-safe: the concurrency tests run ops on
+// the mock from several threads (under ThreadSanitizer in CI).
+thread_local to_op_call last_call{};
+std::atomic<uint64_t> copies[3] = {0, 0, 0};
 
 to_status mock_init(char* reason, size_t reason_len) {
 #ifdef TENSOR_OPS_MOCK_BROKEN
@@ -135,5 +138,5 @@ extern "C" __attribute__((visibility("default"))) const to_op_call* tensor_ops_m
 }
 
 extern "C" __attribute__((visibility("default"))) uint64_t tensor_ops_mock_copies(int32_t kind) {
-  return copies[kind];
+  return copies[kind].load();
 }
