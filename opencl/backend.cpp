@@ -302,8 +302,16 @@ struct Buf {
   cl_ulong off = 0;
 };
 
-to_status buf(const to_tensor& t, Buf* out) {
-  out->m = mem(t);
+bool has_elements(const to_tensor& t) {
+  for (int32_t i = 0; i < t.ndim; ++i)
+    if (t.shape[i] == 0) return false;
+  return true;
+}
+
+// A tensor with no elements gets the dummy buffer: its handle is no cl_mem
+// (the core's device memory hands out (void*)64 for an empty tensor).
+to_status buf(const Launch& l, const to_tensor& t, Buf* out) {
+  out->m = t.data && has_elements(t) ? mem(t) : l.p->dummy;
   return element_offset(t, &out->off);
 }
 
@@ -383,10 +391,10 @@ to_status run_layer_norm(const to_op_call* c) {
   Launch l;
   TENSOR_OPS_CL_RETURN_IF_ERROR(begin(x, &l));
   Buf bx, bw, bb, by;
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(x, &bx));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(w, &bw));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(y, &by));
-  if (has_bias) TENSOR_OPS_CL_RETURN_IF_ERROR(buf(c->inputs[2], &bb));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, x, &bx));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, w, &bw));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, y, &by));
+  if (has_bias) TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, c->inputs[2], &bb));
   else bb = bw;
   const size_t rows = size_t(x.shape[0]), cols = size_t(x.shape[1]);
   cl_kernel k = l.p->kernels[kLayerNorm];
@@ -402,11 +410,11 @@ to_status run_add_rms_norm(const to_op_call* c) {
   Launch l;
   TENSOR_OPS_CL_RETURN_IF_ERROR(begin(x, &l));
   Buf bx, br, bw, by, bro;
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(x, &bx));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(r, &br));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(w, &bw));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(y, &by));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(ro, &bro));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, x, &bx));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, r, &br));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, w, &bw));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, y, &by));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, ro, &bro));
   const size_t rows = size_t(x.shape[0]), cols = size_t(x.shape[1]);
   cl_kernel k = l.p->kernels[kAddRmsNorm];
   std::lock_guard<std::mutex> lock(l.p->launch_mutex);
@@ -424,12 +432,12 @@ to_status run_norm_backward(const to_op_call* c, bool layer) {
   Launch l;
   TENSOR_OPS_CL_RETURN_IF_ERROR(begin(x, &l));
   Buf bdy, bx, bw, bdx, bdw, bdb;
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(dy, &bdy));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(x, &bx));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(w, &bw));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(dx, &bdx));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(dw, &bdw));
-  if (has_bias) TENSOR_OPS_CL_RETURN_IF_ERROR(buf(c->outputs[2], &bdb));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, dy, &bdy));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, x, &bx));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, w, &bw));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, dx, &bdx));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, dw, &bdw));
+  if (has_bias) TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, c->outputs[2], &bdb));
   else bdb = bdw;
   const size_t rows = size_t(x.shape[0]), cols = size_t(x.shape[1]);
   const size_t rows_per_block = std::max<size_t>(64, (rows + 255) / 256);
@@ -466,8 +474,8 @@ to_status run_softmax(const to_op_call* c) {
   Launch l;
   TENSOR_OPS_CL_RETURN_IF_ERROR(begin(x, &l));
   Buf bx, by;
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(x, &bx));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(y, &by));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, x, &bx));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, y, &by));
   const size_t rows = size_t(x.shape[0]), cols = size_t(x.shape[1]);
   cl_kernel k = l.p->kernels[kSoftmax];
   std::lock_guard<std::mutex> lock(l.p->launch_mutex);
@@ -482,9 +490,9 @@ to_status run_softmax_backward(const to_op_call* c) {
   Launch l;
   TENSOR_OPS_CL_RETURN_IF_ERROR(begin(y, &l));
   Buf bdy, by, bdx;
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(dy, &bdy));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(y, &by));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(dx, &bdx));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, dy, &bdy));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, y, &by));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, dx, &bdx));
   const size_t rows = size_t(y.shape[0]), cols = size_t(y.shape[1]);
   cl_kernel k = l.p->kernels[kSoftmaxBackward];
   std::lock_guard<std::mutex> lock(l.p->launch_mutex);
@@ -512,9 +520,9 @@ to_status run_binary_elementwise(const to_op_call* c, int flat_kernel, int rows_
   Launch l;
   TENSOR_OPS_CL_RETURN_IF_ERROR(begin(a, &l));
   Buf ba, bb, by;
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(a, &ba));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(b, &bb));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(y, &by));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, a, &ba));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, b, &bb));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, y, &by));
   const size_t rows = size_t(a.shape[0]), cols = size_t(a.shape[1]);
   std::lock_guard<std::mutex> lock(l.p->launch_mutex);
   if (all_flat(c)) {
@@ -544,11 +552,11 @@ to_status run_glu_backward(const to_op_call* c) {
   Launch l;
   TENSOR_OPS_CL_RETURN_IF_ERROR(begin(g, &l));
   Buf bdy, bg, bu, bdg, bdu;
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(dy, &bdy));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(g, &bg));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(u, &bu));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(dg, &bdg));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(du, &bdu));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, dy, &bdy));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, g, &bg));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, u, &bu));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, dg, &bdg));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, du, &bdu));
   const bool flat = all_flat(c);
   const size_t rows = flat ? 1 : size_t(g.shape[0]);
   const size_t cols = flat ? size_t(g.shape[0] * g.shape[1]) : size_t(g.shape[1]);
@@ -567,11 +575,11 @@ to_status run_rope(const to_op_call* c) {
   Launch l;
   TENSOR_OPS_CL_RETURN_IF_ERROR(begin(x, &l));
   Buf bx, bc, bs, bp, by;
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(x, &bx));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(cs, &bc));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(sn, &bs));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(pos, &bp));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(y, &by));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, x, &bx));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, cs, &bc));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, sn, &bs));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, pos, &bp));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, y, &by));
   const size_t B = size_t(x.shape[0]), S = size_t(x.shape[1]), H = size_t(x.shape[2]), D = size_t(x.shape[3]);
   const size_t P = size_t(cs.shape[0]), half = size_t(cs.shape[1]);
   const cl_ulong pos_batch_stride = pos.shape[0] == 1 ? 0 : cl_ulong(pos.strides[0]);
@@ -598,10 +606,10 @@ to_status run_cross_entropy(const to_op_call* c) {
   Launch l;
   TENSOR_OPS_CL_RETURN_IF_ERROR(begin(lg, &l));
   Buf blg, btg, bloss, bdl;
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(lg, &blg));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(tg, &btg));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(loss, &bloss));
-  if (has_grad) TENSOR_OPS_CL_RETURN_IF_ERROR(buf(c->outputs[1], &bdl));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, lg, &blg));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, tg, &btg));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, loss, &bloss));
+  if (has_grad) TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, c->outputs[1], &bdl));
   else bdl = blg;
   const size_t N = size_t(lg.shape[0]), C = size_t(lg.shape[1]);
   cl_kernel k = l.p->kernels[kCrossEntropy];
@@ -635,11 +643,11 @@ to_status run_attention(const to_op_call* c) {
   Launch l;
   TENSOR_OPS_CL_RETURN_IF_ERROR(begin(q, &l));
   Buf bq, bk, bv, bo, blse;
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(q, &bq));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(k, &bk));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(v, &bv));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(o, &bo));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(lse, &blse));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, q, &bq));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, k, &bk));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, v, &bv));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, o, &bo));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, lse, &blse));
   const size_t B = size_t(q.shape[0]), Hq = size_t(q.shape[1]), Lq = size_t(q.shape[2]), D = size_t(q.shape[3]);
   const size_t Hkv = size_t(k.shape[1]), Lk = size_t(k.shape[2]);
   const size_t G = l.p->attention_group;
@@ -661,15 +669,15 @@ to_status run_attention_backward(const to_op_call* c) {
   Launch l;
   TENSOR_OPS_CL_RETURN_IF_ERROR(begin(q, &l));
   Buf bdo, bq, bk, bv, bo, blse, bdq, bdk, bdv;
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(dout, &bdo));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(q, &bq));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(k, &bk));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(v, &bv));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(o, &bo));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(lse, &blse));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(dq, &bdq));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(dk, &bdk));
-  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(dv, &bdv));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, dout, &bdo));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, q, &bq));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, k, &bk));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, v, &bv));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, o, &bo));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, lse, &blse));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, dq, &bdq));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, dk, &bdk));
+  TENSOR_OPS_CL_RETURN_IF_ERROR(buf(l, dv, &bdv));
   const size_t B = size_t(q.shape[0]), Hq = size_t(q.shape[1]), Lq = size_t(q.shape[2]), D = size_t(q.shape[3]);
   const size_t Hkv = size_t(k.shape[1]), Lk = size_t(k.shape[2]);
   const size_t G = l.p->attention_group;

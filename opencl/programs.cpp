@@ -85,6 +85,7 @@ to_status make_kernels(ClDevice& d, Program& p) {
     else elementwise_limit = std::min(elementwise_limit, limit);
   }
   p.row_group = pow2_group(row_limit, rms_group);
+  TENSOR_OPS_CL_CHECK((p.dummy = clCreateBuffer(d.context, CL_MEM_READ_WRITE, 16, nullptr, &err), err));
   size_t attention_group = cpu ? 8 : 64;
   if (const char* env = std::getenv("TENSOR_OPS_OPENCL_ATTENTION_GROUP"); env && std::atol(env) > 0)
     attention_group = size_t(std::atol(env));
@@ -114,7 +115,8 @@ void release(Program& p) {
     k = nullptr;
   }
   if (p.bad_flag) clReleaseMemObject(p.bad_flag);
-  p.bad_flag = nullptr;
+  if (p.dummy) clReleaseMemObject(p.dummy);
+  p.bad_flag = p.dummy = nullptr;
   if (p.program) clReleaseProgram(p.program);
   p.rms_norm = nullptr;
   p.program = nullptr;

@@ -51,6 +51,9 @@ struct Program {
   // An int the rope / cross_entropy kernels set on a bad index (made on
   // first use, under launch_mutex).
   cl_mem bad_flag = nullptr;
+  // Stands in for the cl_mem of a tensor with no elements (a null handle
+  // crashes PoCL's clSetKernelArg); kernels never read it.
+  cl_mem dummy = nullptr;
   // clSetKernelArg on a shared kernel is not thread-safe: held from the
   // first argument to the enqueue.
   std::mutex launch_mutex;

@@ -18,11 +18,12 @@ __kernel void softmax(const __global T* x, ulong x_off, ulong x_stride, __global
   float8 acc = 0.0f;
   TO_ROW_CHUNKS(valid) acc += select((float8)0.0f, exp(load8n(x, xr + c, n, 0.0f) * scale - m), lanes_below(n));
   const float sum = group_sum(hsum8(acc), red);
-  const float lse = m + log(sum), inv = 1.0f / sum;
+  // (v - m) - log(sum), not v - (m + log(sum)): exact where m is large.
+  const float log_sum = log(sum), inv = 1.0f / sum;
   TO_ROW_CHUNKS(cols) {
     const float8 v = load8n(x, xr + c, n, 0.0f) * scale;
     const int8 in = lanes_below((long)valid - (long)c);
-    const float8 out = log_out ? select((float8)ninf, v - lse, in) : select((float8)0.0f, exp(v - m) * inv, in);
+    const float8 out = log_out ? select((float8)ninf, (v - m) - log_sum, in) : select((float8)0.0f, exp(v - m) * inv, in);
     store8n(y, yr + c, out, n);
   }
 }
@@ -46,7 +47,8 @@ __kernel void softmax_backward(const __global T* dy, ulong dy_off, ulong dy_stri
   }
 }
 
-// loss[r] = logsumexp(x_r) - x_r[t]; dlogits (has_grad) = grad_scale *
+// loss[r] = logsumexp(x_r) - x_r[t] (as log(sum) + (max - x_r[t]): no
+// cancellation for large logits); dlogits (has_grad) = grad_scale *
 // (softmax(x_r) - onehot(t)). Rows with t == ignore_index: loss 0, grad 0. A
 // target outside [0, C) sets *bad = 2 (the host reports it) and the row is
 // left alone.
@@ -72,7 +74,7 @@ __kernel void cross_entropy(const __global T* lg, ulong lg_off, const __global i
   float8 acc = 0.0f;
   TO_ROW_CHUNKS(C) acc += select((float8)0.0f, exp(load8n(lg, lr + c, n, 0.0f) - m), lanes_below(n));
   const float sum = group_sum(hsum8(acc), red);
-  if (get_local_id(0) == 0) loss[loss_off + row] = m + log(sum) - load_f32(lg, lr + (ulong)t);
+  if (get_local_id(0) == 0) loss[loss_off + row] = log(sum) + (m - load_f32(lg, lr + (ulong)t));
   if (has_grad) {
     const float inv = gscale / sum;
     TO_ROW_CHUNKS(C) {
