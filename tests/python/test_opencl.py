@@ -700,3 +700,45 @@ def test_attention_edges_on_device(rng):
     with tensor_ops.use("opencl"):
         got = tensor_ops.attention(q1, k1, v1)
     assert_close(got, want.astype(np.float64), "float32", "head_dim 1")
+
+
+def _opencl_device_ids():
+    if not STATUS.usable:
+        return []
+    return [d.device_id for d in tensor_ops.devices() if d.backend == "opencl"]
+
+
+@needs_device
+@pytest.mark.parametrize("device_id", _opencl_device_ids())
+def test_llm_ops_resident_on_every_device(device_id, rng):
+    """Each OpenCL device (with PoCL's and Intel's ICDs both installed,
+    opencl:1 is Intel's CPU runtime) runs the LLM ops on its own tensors."""
+    where = f"opencl:{device_id}"
+    on = lambda a: tensor_ops.from_numpy(np.ascontiguousarray(a), device=where)  # noqa: E731
+    x, r, w = make(rng, (3, 100), "float32"), make(rng, (3, 100), "float32"), make(rng, (100,), "float32", 1.0)
+    q, k, v = (make(rng, s, "float32", 1.0) for s in [(1, 4, 7, 32), (1, 2, 9, 32), (1, 2, 9, 32)])
+    logits, tgt = make(rng, (4, 50), "float32"), np.array([1, -100, 49, 0])
+    cos, sin = np.cos(np.arange(12)[:, None] * np.ones(8)), np.sin(np.arange(12)[:, None] * np.ones(8))
+    x4 = make(rng, (2, 3, 2, 16), "float32")
+    pos = np.array([[0, 5, 11], [3, 2, 1]], np.int32)
+    got, want = {}, {}
+    for res, f in ((got, on), (want, lambda a: a)):
+        ctx = tensor_ops.use("cpu") if res is want else tensor_ops.use("opencl")
+        with ctx:
+            res["ln"] = tensor_ops.layer_norm(f(x), f(w))
+            res["arn"] = tensor_ops.add_rms_norm(f(x), f(r), f(w))[0]
+            res["sm"] = tensor_ops.softmax(f(x), causal=True)
+            res["glu"] = tensor_ops.geglu(f(x), f(r), "tanh")
+            res["rope"] = tensor_ops.rope(f(x4), f(cos.astype(np.float32)), f(sin.astype(np.float32)), f(pos), True)
+            o, lse = tensor_ops.attention(f(q), f(k), f(v), True, return_lse=True)
+            res["attn"], res["lse"] = o, lse
+            res["dq"], res["dk"], res["dv"] = tensor_ops.attention_backward(f(q), f(q), f(k), f(v), o, lse, True)
+            res["ce"] = tensor_ops.cross_entropy_with_grad(f(logits), f(tgt), reduction="none")[1]
+    for key in want:
+        assert isinstance(got[key], tensor_ops.Tensor) and got[key].device == where, key
+        ref = np.asarray(want[key]).astype(np.float64)
+        fin = np.isfinite(ref)
+        g = got[key].numpy().astype(np.float64)
+        assert (np.isfinite(g) == fin).all(), key
+        np.testing.assert_allclose(g[fin], ref[fin], rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(ref[fin]).max())),
+                                   err_msg=f"{key} on {where}")
