@@ -584,15 +584,20 @@ to_status run_rope(const to_op_call* c) {
   const size_t P = size_t(cs.shape[0]), half = size_t(cs.shape[1]);
   const cl_ulong pos_batch_stride = pos.shape[0] == 1 ? 0 : cl_ulong(pos.strides[0]);
   cl_kernel k = l.p->kernels[kRope];
+  // A GPU takes an element pair per work-item; a CPU device a row per
+  // work-item (PoCL: 4x512x16x128 took 19 ms with a pair per item).
   const size_t items = D - half;
-  const size_t local[2] = {std::min<size_t>(std::min<size_t>(l.p->activation_group, 64), pow2_at_least(items)), 1};
-  const size_t global[2] = {round_up(items, local[0]), B * S * H};
+  const bool cpu = l.d->type & CL_DEVICE_TYPE_CPU;
+  const size_t width = cpu ? 1 : std::min<size_t>(std::min<size_t>(l.p->activation_group, 64), pow2_at_least(items));
+  const size_t rows = B * S * H, row_block = cpu ? std::min<size_t>(64, rows) : 1;
+  const size_t local[2] = {width, row_block};
+  const size_t global[2] = {cpu ? 1 : round_up(items, width), round_up(rows, row_block)};
   std::lock_guard<std::mutex> lock(l.p->launch_mutex);
   TENSOR_OPS_CL_RETURN_IF_ERROR(clear_flag(l));
   TENSOR_OPS_CL_RETURN_IF_ERROR(set_kernel_args(k, bx, bc, bs, bp, cl_int(pos.dtype == TO_INT64), pos_batch_stride,
                                                 by, cl_ulong(S), cl_ulong(H), cl_ulong(D), cl_ulong(half),
                                                 cl_ulong(P), cl_int(c->ints[0] != 0), cl_int(c->ints[1] != 0),
-                                                l.p->bad_flag));
+                                                l.p->bad_flag, cl_ulong(rows)));
   TENSOR_OPS_CL_RETURN_IF_ERROR(enqueue(*l.d, k, 2, global, local));
   cl_int bad = 0;
   TENSOR_OPS_CL_RETURN_IF_ERROR(read_flag(l, &bad));
