@@ -16,6 +16,13 @@ call. GB/s counts x read + y written (the weight row is not counted), from
 the median; p25-p75 is the spread. Every implementation's output is checked
 against float64 before timing. Prints a markdown table; writes
 bench/out/opencl_<dtype>_<R>x<C>.json.
+
+    python bench/bench_opencl.py --llm [--dtype float32] [--reps 10]
+
+The LLM op set instead: each op on opencl:0-resident tensors (synchronised
+by reading a small output back) against the CPU backend on the same numpy
+data in the same run, round-robin; the OpenCL result is checked against the
+CPU backend's before timing. Writes bench/out/opencl_llm_<dtype>.json.
 """
 from __future__ import annotations
 
@@ -158,15 +165,103 @@ def table(section: Dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def llm_cases(dtype: str, seed: int):
+    """(name, cpu thunk, opencl thunk returning something to read back)."""
+    t = tensor_ops
+    rng = np.random.default_rng(seed)
+    dt = np_dtype(dtype)
+    mk = lambda *shape: (rng.standard_normal(shape)).astype(np.float32).astype(dt)  # noqa: E731
+    dev = lambda a: t.from_numpy(np.ascontiguousarray(a), device="opencl:0")  # noqa: E731
+    R, C = 2048, 4096
+    x, r, dy, w = mk(R, C), mk(R, C), mk(R, C), mk(C)
+    xt, rt, dyt, wt = dev(x), dev(r), dev(dy), dev(w)
+    B, S, H, D = 4, 512, 16, 128
+    x4 = mk(B, S, H, D)
+    ang = np.arange(S)[:, None] * (1e-4 ** (np.arange(D // 2) / (D // 2)))[None, :]
+    cos, sin = np.cos(ang).astype(dt), np.sin(ang).astype(dt)
+    pos = np.tile(np.arange(S), (B, 1))
+    x4t, cost, sint, post = dev(x4), dev(cos), dev(sin), dev(pos)
+    q, k, v = mk(1, 16, 1024, 64), mk(1, 4, 1024, 64), mk(1, 4, 1024, 64)
+    qt, kt, vt = dev(q), dev(k), dev(v)
+    with t.use("cpu"):
+        o, lse = t.attention(q, k, v, True, return_lse=True)
+    ot, lset = dev(o), dev(lse)
+    N, V = 512, 32000
+    logits, tgt = mk(N, V), rng.integers(0, V, N)
+    lgt, tgtt = dev(logits), dev(tgt)
+    return [
+        ("layer_norm 2048x4096", lambda: t.layer_norm(x, w), lambda: t.layer_norm(xt, wt)),
+        ("add_rms_norm 2048x4096", lambda: t.add_rms_norm(x, r, w)[0], lambda: t.add_rms_norm(xt, rt, wt)[0]),
+        ("softmax causal 2048x4096", lambda: t.softmax(x, causal=True), lambda: t.softmax(xt, causal=True)),
+        ("swiglu 2048x4096", lambda: t.swiglu(x, r), lambda: t.swiglu(xt, rt)),
+        ("rope 4x512x16x128", lambda: t.rope(x4, cos, sin, pos), lambda: t.rope(x4t, cost, sint, post)),
+        ("attention causal gqa 16/4x1024x64", lambda: t.attention(q, k, v, True),
+         lambda: t.attention(qt, kt, vt, True)),
+        ("cross_entropy+grad 512x32000", lambda: t.cross_entropy_with_grad(logits, tgt, reduction="none")[1],
+         lambda: t.cross_entropy_with_grad(lgt, tgtt, reduction="none")[1]),
+        ("layer_norm_backward 2048x4096", lambda: t.layer_norm_backward(dy, x, w)[1],
+         lambda: t.layer_norm_backward(dyt, xt, wt)[1]),
+        ("softmax_backward 2048x4096", lambda: t.softmax_backward(dy, x), lambda: t.softmax_backward(dyt, xt)),
+        ("swiglu_backward 2048x4096", lambda: t.swiglu_backward(dy, x, r)[0],
+         lambda: t.swiglu_backward(dyt, xt, rt)[0]),
+        ("attention_backward causal gqa 16/4x1024x64", lambda: t.attention_backward(q, q, k, v, o, lse, True)[0],
+         lambda: t.attention_backward(qt, qt, kt, vt, ot, lset, True)[0]),
+    ]
+
+
+def bench_llm(dtype: str, reps: int, seed: int) -> Dict[str, object]:
+    probe = tensor_ops.zeros((1,), "float32", device="opencl:0")
+    results = {}
+    for name, cpu_f, cl_f in llm_cases(dtype, seed):
+        def cpu():
+            with tensor_ops.use("cpu"):
+                return cpu_f()
+
+        def opencl():
+            cl_f()
+            probe.numpy()  # the in-order queue: waits for the kernels
+
+        want = np.asarray(cpu()).astype(np.float64)
+        got = cl_f().numpy().astype(np.float64)
+        fin = np.isfinite(want)
+        tol = TOLERANCE[dtype] * 4
+        scale = max(1.0, float(np.abs(want[fin]).max(initial=0.0)))
+        if not ((np.isfinite(got) == fin).all() and (np.abs(got[fin] - want[fin]) <= tol * scale).all()):
+            raise SystemExit(f"*** WRONG RESULT: opencl {name} {dtype} differs from the cpu backend ***")
+        samples: Dict[str, List[float]] = {"cpu": [], "opencl resident": []}
+        runs = {"cpu": cpu, "opencl resident": opencl}
+        for f in runs.values():
+            f()
+        order = list(runs)
+        for rep in range(reps):
+            for impl in order[rep % 2:] + order[:rep % 2]:
+                t0 = time.perf_counter()
+                runs[impl]()
+                samples[impl].append(time.perf_counter() - t0)
+        results[name] = {impl: {**summarize(v), "samples_s": v} for impl, v in samples.items()}
+    return {"dtype": dtype, "ops": results}
+
+
+def llm_table(section: Dict[str, object]) -> str:
+    lines = [f"### LLM ops, {section['dtype']}", "", "| op | cpu median ms | opencl resident median ms "
+             "(p25-p75) | opencl vs cpu |", "|---|---|---|---|"]
+    for op, r in section["ops"].items():
+        c, o = r["cpu"], r["opencl resident"]
+        lines.append(f"| {op} | {c['median_s'] * 1e3:.2f} | {o['median_s'] * 1e3:.2f} "
+                     f"({o['p25_s'] * 1e3:.2f}-{o['p75_s'] * 1e3:.2f}) | {c['median_s'] / o['median_s']:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["4096x4096", "256x1024"], help="RxC ...")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--reps", type=int, default=20, help="samples per implementation (at least 10)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llm", action="store_true", help="time the LLM op set instead of the --shapes sweep")
     args = ap.parse_args(argv)
-    if args.reps < 10:
-        ap.error("--reps must be at least 10")
+    if args.reps < (4 if args.llm else 10):
+        ap.error("--reps must be at least 10 (4 with --llm)")
     status = {b.name: b for b in tensor_ops.backends()}["opencl"]
     if not status.usable:
         raise SystemExit(f"opencl is not usable here: {status.reason}")
@@ -180,6 +275,14 @@ def main(argv=None) -> None:
           f"cpu = {cpu.device_name}, {meta['cpu_threads']} threads; load average {meta['load_average'][0]:.2f}\n")
     out_dir = pathlib.Path(__file__).resolve().parent / "out"
     out_dir.mkdir(exist_ok=True)
+    if args.llm:
+        section = bench_llm(args.dtype, args.reps, args.seed)
+        section["meta"] = meta
+        print(llm_table(section) + "\n")
+        path = out_dir / f"opencl_llm_{args.dtype}.json"
+        path.write_text(json.dumps(section, indent=1))
+        print(f"wrote {path}\n")
+        return
     for shape in args.shapes:
         rows, cols = (int(v) for v in shape.lower().split("x"))
         section = bench_shape(rows, cols, args.dtype, args.reps, args.seed)

@@ -63,6 +63,37 @@ to_status make_kernels(ClDevice& d, Program& p) {
   if (const char* env = std::getenv("TENSOR_OPS_OPENCL_RMS_NORM_GROUP"); env && std::atol(env) > 0)
     rms_group = size_t(std::atol(env));
   p.rms_norm_group = pow2_group(limit, rms_group);
+  static const char* const llm_names[kKernelCount] = {
+      "layer_norm", "add_rms_norm", "norm_backward_rows", "norm_backward_partials", "norm_backward_final",
+      "softmax", "softmax_backward", "cross_entropy", "rope", "attention_fwd", "attention_bwd_delta",
+      "attention_bwd_dq", "attention_bwd_dkdv",
+      "act_bwd_silu_flat", "act_bwd_gelu_erf_flat", "act_bwd_gelu_tanh_flat",
+      "act_bwd_silu_rows", "act_bwd_gelu_erf_rows", "act_bwd_gelu_tanh_rows",
+      "glu_silu_flat", "glu_gelu_erf_flat", "glu_gelu_tanh_flat",
+      "glu_silu_rows", "glu_gelu_erf_rows", "glu_gelu_tanh_rows",
+      "glu_bwd_silu", "glu_bwd_gelu_erf", "glu_bwd_gelu_tanh"};
+  // Row-wise kernels share rms_norm's tuned group. Attention takes 64 items
+  // (a block of keys per step) on a GPU. On CPU devices a work-group is a
+  // loop on one core: PoCL ran 1 item per query row fastest (1x8x512x64
+  // causal: forward 34-64 ms against 120-150 ms with 8, backward 2-3x
+  // faster), Intel's CPU runtime, which vectorises across items, 8 to 16
+  // (forward 90-110 ms against 175-190 ms with 1).
+  size_t row_limit = limit, attention_limit = d.max_work_group_size, elementwise_limit = d.max_work_group_size;
+  for (int i = 0; i < kKernelCount; ++i) {
+    TENSOR_OPS_CL_CHECK((p.kernels[i] = clCreateKernel(p.program, llm_names[i], &err), err));
+    TENSOR_OPS_CL_CHECK(
+        clGetKernelWorkGroupInfo(p.kernels[i], d.id, CL_KERNEL_WORK_GROUP_SIZE, sizeof(limit), &limit, nullptr));
+    if (i <= kCrossEntropy) row_limit = std::min(row_limit, limit);
+    else if (i <= kAttentionBwdDkdv) attention_limit = std::min(attention_limit, limit);
+    else elementwise_limit = std::min(elementwise_limit, limit);
+  }
+  p.row_group = pow2_group(row_limit, rms_group);
+  TENSOR_OPS_CL_CHECK((p.dummy = clCreateBuffer(d.context, CL_MEM_READ_WRITE, 16, nullptr, &err), err));
+  const bool pocl = d.platform_name.find("Portable Computing Language") != std::string::npos;
+  size_t attention_group = cpu ? (pocl ? 1 : 8) : 64;
+  if (const char* env = std::getenv("TENSOR_OPS_OPENCL_ATTENTION_GROUP"); env && std::atol(env) > 0)
+    attention_group = size_t(std::atol(env));
+  p.attention_group = pow2_group(attention_limit, attention_group);
   size_t activation_limit = d.max_work_group_size;
   for (int a = 0; a < 3; ++a)
     for (int l = 0; l < 2; ++l) {
@@ -72,7 +103,7 @@ to_status make_kernels(ClDevice& d, Program& p) {
       activation_limit = std::min(activation_limit, limit);
     }
   // 256 items of 8 elements; PoCL timed the same from 64 to 4096.
-  p.activation_group = pow2_group(activation_limit, 256);
+  p.activation_group = pow2_group(std::min(activation_limit, elementwise_limit), 256);
   return TO_OK;
 }
 
@@ -83,6 +114,13 @@ void release(Program& p) {
       if (k) clReleaseKernel(k);
       k = nullptr;
     }
+  for (cl_kernel& k : p.kernels) {
+    if (k) clReleaseKernel(k);
+    k = nullptr;
+  }
+  if (p.bad_flag) clReleaseMemObject(p.bad_flag);
+  if (p.dummy) clReleaseMemObject(p.dummy);
+  p.bad_flag = p.dummy = nullptr;
   if (p.program) clReleaseProgram(p.program);
   p.rms_norm = nullptr;
   p.program = nullptr;

@@ -468,3 +468,277 @@ def test_no_icd_reports_unusable_with_reason_and_cpu_still_runs(tmp_path):
         "no OpenCL platforms found (clGetPlatformIDs returned -1001 CL_PLATFORM_NOT_FOUND_KHR)"), s["reason"]
     assert s["reason"] in out["err"]
     assert out["backend"] == "cpu" and "opencl" not in out["devices"] and out["max_err"] < 1e-5
+
+
+# --- the LLM op set on opencl:0 (the conformance suites test_ops_llm.py run
+# it staged from numpy; here: resident tensors, in place, the work-group
+# paths a GPU takes, data-dependent errors, 16-bit edges) ---
+
+def dev(a):
+    return tensor_ops.from_numpy(np.ascontiguousarray(a), device=DEVICE)
+
+
+def host(t):
+    return t.numpy() if isinstance(t, tensor_ops.Tensor) else np.asarray(t)
+
+
+def _llm_results(rng, dtype):
+    """Every LLM op once on small odd shapes, inputs and results as a dict
+    of numpy arrays (run on whatever backend is selected)."""
+    x, r, dy = make(rng, (5, 37), dtype), make(rng, (5, 37), dtype), make(rng, (5, 37), dtype, 1.0)
+    w, b = make(rng, (37,), dtype, 1.0), make(rng, (37,), dtype, 1.0)
+    q, k, v = make(rng, (2, 4, 9, 16), dtype, 1.0), make(rng, (2, 2, 11, 16), dtype, 1.0), make(rng, (2, 2, 11, 16), dtype, 1.0)
+    do = make(rng, (2, 4, 9, 16), dtype, 1.0)
+    logits, tgt = make(rng, (6, 300), dtype), rng.integers(0, 300, 6)
+    tgt[1] = -100
+    out = dict(x=x, r=r, dy=dy, w=w, b=b)
+    out["layer_norm"] = tensor_ops.layer_norm(x, w, b)
+    out["add_rms_norm"], out["residual"] = tensor_ops.add_rms_norm(x, r, w)
+    out["rms_dx"], out["rms_dw"] = tensor_ops.rms_norm_backward(dy, x, w)
+    out["ln_dx"], out["ln_dw"], out["ln_db"] = tensor_ops.layer_norm_backward(dy, x, w)
+    out["softmax"] = tensor_ops.softmax(x, scale=0.5, causal=True)
+    out["log_softmax"] = tensor_ops.log_softmax(x, causal=True)
+    out["softmax_bwd"] = tensor_ops.softmax_backward(dy, out["softmax"])
+    out["log_softmax_bwd"] = tensor_ops.log_softmax_backward(dy, out["log_softmax"])
+    for causal in (False, True):
+        o, lse = tensor_ops.attention(q, k, v, causal, return_lse=True)
+        out[f"attn{causal}"], out[f"lse{causal}"] = o, lse
+        out[f"dq{causal}"], out[f"dk{causal}"], out[f"dv{causal}"] = tensor_ops.attention_backward(do, q, k, v, o, lse, causal)
+    out["ce_loss"], out["ce_grad"] = tensor_ops.cross_entropy_with_grad(logits, tgt, reduction="none")
+    return out
+
+
+@needs_device
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_llm_ops_match_the_cpu_backend(dtype):
+    """The same inputs through both backends: results within the dtype's
+    tolerance of the CPU backend's (both fp32 math)."""
+    with tensor_ops.use("opencl"):
+        got = _llm_results(np.random.default_rng(5), dtype)
+    with tensor_ops.use("cpu"):
+        want = _llm_results(np.random.default_rng(5), dtype)
+    for key, ref in want.items():
+        ref64 = np.asarray(ref).astype(np.float64)
+        g = np.asarray(got[key]).astype(np.float64)
+        fin = np.isfinite(ref64)
+        assert (np.isfinite(g) == fin).all() and (g[~fin] == ref64[~fin]).all(), key
+        f = 8 if key.startswith(("d", "rms_d", "ln_d", "ce_grad", "softmax_bwd", "log_softmax_bwd")) else 2
+        tol = {"float32": 1e-5, "float16": 2 ** -10, "bfloat16": 2 ** -7}[dtype] * f
+        scale = float(np.max(np.abs(ref64[fin]), initial=1.0))
+        np.testing.assert_allclose(g[fin], ref64[fin], rtol=tol, atol=tol * scale, err_msg=f"{key} {dtype}")
+
+
+@needs_device
+@pytest.mark.parametrize("groups", [(2, 1), (64, 4), (256, 64)], ids=lambda g: f"row{g[0]}-attn{g[1]}")
+def test_llm_work_group_paths(groups, tmp_path):
+    """The row-wise kernels with several work-items per row (a GPU's
+    reduction; CPU devices run 1) and attention with other key-block sizes,
+    against the defaults."""
+    code = """
+        import sys, numpy as np, tensor_ops
+        sys.path.insert(0, sys.argv[2])
+        from test_opencl import _llm_results
+        with tensor_ops.use("opencl"):
+            res = _llm_results(np.random.default_rng(11), "float32")
+        np.savez(sys.argv[1], **{k: np.asarray(v) for k, v in res.items()})
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = run_py(code, str(tmp_path / "a.npz"), here, TENSOR_OPS_OPENCL_RMS_NORM_GROUP=str(groups[0]),
+               TENSOR_OPS_OPENCL_ATTENTION_GROUP=str(groups[1]), TENSOR_OPS_CACHE_DIR=str(tmp_path / "cache"))
+    assert r.returncode == 0, r.stderr
+    with tensor_ops.use("cpu"):
+        want = _llm_results(np.random.default_rng(11), "float32")
+    got = np.load(tmp_path / "a.npz")
+    for key, ref in want.items():
+        ref = np.asarray(ref).astype(np.float64)
+        fin = np.isfinite(ref)
+        assert (np.isfinite(got[key]) == fin).all(), key
+        scale = float(np.max(np.abs(ref[fin]), initial=1.0))
+        np.testing.assert_allclose(got[key][fin], ref[fin], rtol=1e-4, atol=1e-5 * scale, err_msg=f"{key} {groups}")
+
+
+@needs_device
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_llm_chain_resident_without_round_trips(dtype, rng):
+    """A transformer block's ops chained on opencl:0: no host copies until
+    the results are read."""
+    B, S, H, D = 2, 5, 4, 16
+    hid = H * D
+    x, res = make(rng, (B * S, hid), dtype, 1.0), make(rng, (B * S, hid), dtype, 1.0)
+    w = make(rng, (hid,), dtype, 1.0)
+    cos, sin = (a.astype(np_dtype(dtype)) for a in (np.cos(np.arange(S)[:, None] * 0.1 * np.arange(1, D // 2 + 1)),
+                                                    np.sin(np.arange(S)[:, None] * 0.1 * np.arange(1, D // 2 + 1))))
+    pos = np.tile(np.arange(S), (B, 1)).astype(np.int32)
+    up = make(rng, (B * S, hid), dtype, 1.0)
+    q4 = make(rng, (B, S, H, D), dtype, 1.0)
+    xt, rt, wt, ct, st, pt, ut, qt = map(dev, (x, res, w, cos, sin, pos, up, q4))
+    before = device_props()
+    h, r2 = tensor_ops.add_rms_norm(xt, rt, wt)
+    qk = tensor_ops.rope(qt, ct, st, pt)
+    qk = tensor_ops.rope_backward(qk, ct, st, pt)  # back to q4, up to rounding
+    assert False not in [isinstance(t, tensor_ops.Tensor) and t.device == DEVICE for t in (h, r2, qk)]
+    a = tensor_ops.swiglu(h, ut)
+    ln = tensor_ops.layer_norm(a, wt)
+    sm = tensor_ops.log_softmax(ln)
+    after = device_props()
+    for key in ("host_to_device_copies", "device_to_host_copies"):
+        assert after[key] == before[key], f"{key}: the chain copied between host and device"
+    s = (x.astype(np.float64) + res.astype(np.float64)).astype(np.float32).astype(np_dtype(dtype))
+    assert_close(host(r2), s.astype(np.float64), dtype, "residual")
+    h_h = host(h)
+    assert_close(h_h, ref_rms_norm(s, w), dtype, "add_rms_norm")
+    a_h = host(a)
+    assert_close(a_h, ref_silu(h_h) * up.astype(np.float64), dtype, "swiglu")
+    with tensor_ops.use("cpu"):
+        assert_close(host(ln), tensor_ops.layer_norm(a_h, w).astype(np.float64), dtype, "layer_norm")
+        assert_close(host(sm), tensor_ops.log_softmax(host(ln)).astype(np.float64), dtype, "log_softmax")
+        rot = tensor_ops.rope(q4, cos, sin, pos)
+        assert_close(host(qk), tensor_ops.rope_backward(rot, cos, sin, pos).astype(np.float64), dtype, "rope")
+
+
+@needs_device
+def test_llm_in_place_on_device(rng):
+    x, w, b, u = make(rng, (4, 333), "float32"), make(rng, (333,), "float32", 1.0), make(rng, (333,), "float32"), \
+        make(rng, (4, 333), "float32")
+    xt = dev(x)
+    assert tensor_ops.layer_norm(xt, dev(w), dev(b), out=xt) is xt
+    with tensor_ops.use("cpu"):
+        ref = tensor_ops.layer_norm(x, w, b)
+    assert_close(xt.numpy(), ref.astype(np.float64), "float32", "layer_norm in place")
+    gt, ut = dev(x), dev(u)
+    assert tensor_ops.swiglu(gt, ut, out=gt) is gt
+    assert_close(gt.numpy(), ref_silu(x) * u.astype(np.float64), "float32", "swiglu out=gate")
+    gt = dev(x)
+    assert tensor_ops.geglu(gt, ut, out=ut) is ut
+    assert_close(ut.numpy(), ref_gelu(x) * u.astype(np.float64), "float32", "geglu out=up")
+
+
+@needs_device
+def test_bad_indices_on_device_are_invalid_argument_and_the_device_stays_usable():
+    x = dev(np.ones((1, 2, 1, 4), np.float32))
+    cos, sin = np.ones((3, 2), np.float32), np.zeros((3, 2), np.float32)
+    for dt in (np.int32, np.int64):
+        with pytest.raises(ValueError, match=r"position is outside the cos/sin tables \[0, 3\)"):
+            tensor_ops.rope(x, dev(cos), dev(sin), dev(np.array([[0, 3]], dt)))
+        with pytest.raises(ValueError, match=r"position is outside"):
+            tensor_ops.rope(x, dev(cos), dev(sin), dev(np.array([[-1, 0]], dt)))
+        logits = dev(np.zeros((3, 5), np.float32))
+        with pytest.raises(ValueError, match=r"target is outside \[0, 5\) and is not the ignore_index -100"):
+            tensor_ops.cross_entropy_with_grad(logits, dev(np.array([0, 5, 1], dt)))
+        with pytest.raises(ValueError, match=r"target is outside"):
+            tensor_ops.cross_entropy(logits, dev(np.array([-2, 0, 1], dt)))
+    # The flag is cleared for the next call: good indices pass.
+    y = tensor_ops.rope(x, dev(cos), dev(sin), dev(np.array([[0, 2]], np.int64)))
+    np.testing.assert_array_equal(y.numpy(), np.ones((1, 2, 1, 4), np.float32))
+    loss, g = tensor_ops.cross_entropy_with_grad(dev(np.zeros((3, 5), np.float32)), dev(np.array([0, -100, 4])),
+                                                 reduction="none")
+    np.testing.assert_allclose(loss.numpy(), [np.log(5), 0, np.log(5)], rtol=1e-6)
+    np.testing.assert_allclose(g.numpy()[1], 0)
+
+
+@needs_device
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_llm_half_edges(dtype):
+    big = 60000.0 if dtype == "float16" else 3e38
+    with tensor_ops.use("opencl"):
+        # Large logits: fp32 math, no overflow of exp or the sum.
+        x = np.array([[big, big, -big, 0.0]], np.float32).astype(np_dtype(dtype))
+        y = tensor_ops.softmax(x).astype(np.float32)
+        np.testing.assert_allclose(y, [[0.5, 0.5, 0, 0]])
+        ly = tensor_ops.log_softmax(x).astype(np.float32)
+        assert ly[0, 0] == ly[0, 1] and abs(ly[0, 0] + np.log(2)) < 1e-2 and ly[0, 2] < -1e4
+        loss, _ = tensor_ops.cross_entropy_with_grad(x, np.array([0]), reduction="none")
+        assert abs(float(loss[0]) - np.log(2)) < 1e-6
+        # A constant row: variance 0, layer_norm gives the bias.
+        c = np.full((2, 9), 7.0, np.float32).astype(np_dtype(dtype))
+        w, b = np.ones(9, np_dtype(dtype)), np.arange(9, dtype=np.float32).astype(np_dtype(dtype))
+        np.testing.assert_array_equal(tensor_ops.layer_norm(c, w, b).astype(np.float32), np.tile(b.astype(np.float32), (2, 1)))
+        # NaN stays in its row.
+        n = np.ones((2, 8), np.float32)
+        n[0, 3] = np.nan
+        s = tensor_ops.softmax(n.astype(np_dtype(dtype))).astype(np.float32)
+        assert np.isnan(s[0]).all() and np.allclose(s[1], 1 / 8)
+
+
+@needs_device
+def test_norm_backward_dweight_is_deterministic_across_row_blocks(rng):
+    """1000 rows: dweight / dbias summed over several row blocks, in a fixed
+    order: bit-identical on every run, and right."""
+    x, dy, w = make(rng, (1000, 65), "float32"), make(rng, (1000, 65), "float32"), make(rng, (65,), "float32", 1.0)
+    with tensor_ops.use("opencl"):
+        runs = [tensor_ops.layer_norm_backward(dy, x, w) for _ in range(3)]
+        rms = tensor_ops.rms_norm_backward(dy, x, w)
+    for r in runs[1:]:
+        for a, b in zip(r, runs[0]):
+            np.testing.assert_array_equal(a, b)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    xh = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
+    assert_close(runs[0][1], (dy64 * xh).sum(0), "float32", "dweight")
+    assert_close(runs[0][2], dy64.sum(0), "float32", "dbias")
+    xr = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6)
+    assert_close(rms[1], (dy64 * xr).sum(0), "float32", "rms dweight")
+    with tensor_ops.use("opencl"):
+        e = tensor_ops.rms_norm_backward(np.zeros((0, 5), np.float32), np.zeros((0, 5), np.float32),
+                                         np.ones(5, np.float32))
+    np.testing.assert_array_equal(e[1], 0)
+
+
+@needs_device
+def test_attention_edges_on_device(rng):
+    # Causal with more queries than keys: the first rows see nothing (out 0, lse -inf).
+    q, k, v = make(rng, (1, 2, 6, 8), "float32", 1.0), make(rng, (1, 1, 3, 8), "float32", 1.0), \
+        make(rng, (1, 1, 3, 8), "float32", 1.0)
+    o, lse = tensor_ops.attention(dev(q), dev(k), dev(v), causal=True, return_lse=True)
+    o, lse = o.numpy(), lse.numpy()
+    assert (o[:, :, :3] == 0).all() and (lse[:, :, :3] == -np.inf).all() and np.isfinite(lse[:, :, 3:]).all()
+    dq, dk, dv = tensor_ops.attention_backward(*(dev(a) for a in (np.ones_like(q), q, k, v, o, lse)), causal=True)
+    assert (dq.numpy()[:, :, :3] == 0).all() and np.isfinite(dk.numpy()).all() and np.isfinite(dv.numpy()).all()
+    # head_dim 1 and a long key sequence (several key blocks).
+    with tensor_ops.use("cpu"):
+        q1, k1, v1 = make(rng, (1, 1, 3, 1), "float32"), make(rng, (1, 1, 300, 1), "float32"), make(rng, (1, 1, 300, 1), "float32")
+        want = tensor_ops.attention(q1, k1, v1)
+    with tensor_ops.use("opencl"):
+        got = tensor_ops.attention(q1, k1, v1)
+    assert_close(got, want.astype(np.float64), "float32", "head_dim 1")
+
+
+def _opencl_device_ids():
+    if not STATUS.usable:
+        return []
+    return [d.device_id for d in tensor_ops.devices() if d.backend == "opencl"]
+
+
+@needs_device
+@pytest.mark.parametrize("device_id", _opencl_device_ids())
+def test_llm_ops_resident_on_every_device(device_id, rng):
+    """Each OpenCL device (with PoCL's and Intel's ICDs both installed,
+    opencl:1 is Intel's CPU runtime) runs the LLM ops on its own tensors."""
+    where = f"opencl:{device_id}"
+    on = lambda a: tensor_ops.from_numpy(np.ascontiguousarray(a), device=where)  # noqa: E731
+    x, r, w = make(rng, (3, 100), "float32"), make(rng, (3, 100), "float32"), make(rng, (100,), "float32", 1.0)
+    q, k, v = (make(rng, s, "float32", 1.0) for s in [(1, 4, 7, 32), (1, 2, 9, 32), (1, 2, 9, 32)])
+    logits, tgt = make(rng, (4, 50), "float32"), np.array([1, -100, 49, 0])
+    cos, sin = np.cos(np.arange(12)[:, None] * np.ones(8)), np.sin(np.arange(12)[:, None] * np.ones(8))
+    x4 = make(rng, (2, 3, 2, 16), "float32")
+    pos = np.array([[0, 5, 11], [3, 2, 1]], np.int32)
+    got, want = {}, {}
+    for res, f in ((got, on), (want, lambda a: a)):
+        ctx = tensor_ops.use("cpu") if res is want else tensor_ops.use("opencl")
+        with ctx:
+            res["ln"] = tensor_ops.layer_norm(f(x), f(w))
+            res["arn"] = tensor_ops.add_rms_norm(f(x), f(r), f(w))[0]
+            res["sm"] = tensor_ops.softmax(f(x), causal=True)
+            res["glu"] = tensor_ops.geglu(f(x), f(r), "tanh")
+            res["rope"] = tensor_ops.rope(f(x4), f(cos.astype(np.float32)), f(sin.astype(np.float32)), f(pos), True)
+            o, lse = tensor_ops.attention(f(q), f(k), f(v), True, return_lse=True)
+            res["attn"], res["lse"] = o, lse
+            res["dq"], res["dk"], res["dv"] = tensor_ops.attention_backward(f(q), f(q), f(k), f(v), o, lse, True)
+            res["ce"] = tensor_ops.cross_entropy_with_grad(f(logits), f(tgt), reduction="none")[1]
+    for key in want:
+        assert isinstance(got[key], tensor_ops.Tensor) and got[key].device == where, key
+        ref = np.asarray(want[key]).astype(np.float64)
+        fin = np.isfinite(ref)
+        g = got[key].numpy().astype(np.float64)
+        assert (np.isfinite(g) == fin).all(), key
+        np.testing.assert_allclose(g[fin], ref[fin], rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(ref[fin]).max())),
+                                   err_msg=f"{key} on {where}")
