@@ -252,8 +252,10 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
       double sum = 0;
       if (log) {
         sum = sum_exp_f(v, valid, m);
-        const float lse = m + float(__builtin_log(sum));
-        for (int64_t j = 0; j < valid; ++j) v[j] -= lse;
+        // (v - m) - log(sum), not v - (m + log(sum)): near the float limit
+        // m + log(sum) rounds log(sum) away.
+        const float ls = float(__builtin_log(sum));
+        for (int64_t j = 0; j < valid; ++j) v[j] = (v[j] - m) - ls;
         for (int64_t j = valid; j < cols; ++j) v[j] = ninf;
       } else {
         for (int64_t j = 0; j < valid; ++j) v[j] = exp_f32(v[j] - m);

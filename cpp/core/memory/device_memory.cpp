@@ -124,7 +124,12 @@ std::shared_ptr<void> DeviceMemory::allocate(size_t bytes, double safety_margin)
 Tensor DeviceMemory::empty(const std::vector<int64_t>& shape, DType dtype, double safety_margin) {
   Tensor probe(reinterpret_cast<void*>(uintptr_t(64)), dtype, shape);  // validates shape and size
   auto block = allocate(size_t(probe.nbytes()), safety_margin);
-  void* data = block.get() ? block.get() : reinterpret_cast<void*>(uintptr_t(64));
+  // No elements, no block: host tensors get an aligned non-null address
+  // (DLPack consumers dislike NULL), device ones NULL (on a handle-memory
+  // backend any other value would be taken for a cl_mem and crash it).
+  void* data = block.get()              ? block.get()
+               : device_.is_host()      ? reinterpret_cast<void*>(uintptr_t(64))
+                                        : nullptr;
   return Tensor(data, dtype, shape, {}, device_, block);
 }
 

@@ -45,7 +45,9 @@ typedef enum to_device_type {
 /* A strided view; strides are in elements. `data` is a pointer on host and
  * pointer-addressed devices (CUDA, HIP, SYCL USM); on OpenCL it is a cl_mem
  * handle. Element 0 is at byte `byte_offset` from `data` (always 0 where the
- * core can move the pointer itself). */
+ * core can move the pointer itself). A tensor with no elements may come with
+ * data NULL (the core allocates nothing for it on a device); a kernel may
+ * still receive one, e.g. attention with no keys. */
 typedef struct to_tensor {
   void* data;
   uint64_t byte_offset;
