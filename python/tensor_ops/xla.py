@@ -41,7 +41,12 @@ def is_torch_xla(x) -> bool:
 
 def is_xla_array(x) -> bool:
     """A jax array (tracers included) or a torch tensor on an XLA device."""
-    return type(x) is not np.ndarray and (is_jax_array(x) or is_torch_xla(x))
+    if type(x) is np.ndarray:
+        return False
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):  # the common case: cheap (no jax ABC check)
+        return x.is_xla
+    return is_jax_array(x)
 
 
 # ---- argument checks (the core's rules and messages) -------------------------
