@@ -183,6 +183,24 @@ to_status gpu_synchronize(int32_t device) {
 
 const char* gpu_last_error() { return last_error_text.c_str(); }
 
+// An event recorded on producer, waited on by consumer: the device orders
+// them, the host goes on. The event may be destroyed at once (the runtime
+// keeps it until the wait is done).
+to_status gpu_stream_wait(int32_t device, void* consumer, void* producer) {
+  DeviceGuard guard;
+  if (to_status s = guard.enter(device); s != TO_OK) return s;
+  cudaEvent_t event = nullptr;
+  TENSOR_OPS_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  cudaError_t err = cudaEventRecord(event, static_cast<cudaStream_t>(producer));
+  const char* call = "cudaEventRecord(event, producer)";
+  if (err == cudaSuccess) {
+    err = cudaStreamWaitEvent(static_cast<cudaStream_t>(consumer), event, 0);
+    call = "cudaStreamWaitEvent(consumer, event, 0)";
+  }
+  (void)cudaEventDestroy(event);
+  return err == cudaSuccess ? TO_OK : fail(call, err, __FILE__, __LINE__);
+}
+
 // Runs a launcher on the device of the call's first input, on the caller's
 // stream (NULL: the default stream, which torch's default stream is too).
 template <to_status (*Launch)(const to_op_call*, cudaStream_t)>
@@ -208,6 +226,7 @@ to_backend_v1 make_table() {
   t.memset = gpu_memset;
   t.synchronize = gpu_synchronize;
   t.last_error = gpu_last_error;
+  t.stream_wait = gpu_stream_wait;
   t.kernels[int(OpId::rms_norm)] = run<launch_rms_norm>;
   t.kernels[int(OpId::silu)] = run<launch_silu>;
   t.kernels[int(OpId::gelu)] = run<launch_gelu>;

@@ -226,6 +226,18 @@ __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2hal
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// a * b rounded to fp32 and never contracted into an FMA with what uses it
+// (nvcc and hipcc both contract by default): for differences that must
+// cancel exactly against a sum of the same rounded products.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+#ifdef TENSOR_OPS_HIP
+#pragma clang fp contract(off)
+  return a * b;  // HIP's __fmul_rn is a plain a * b, contractable
+#else
+  return __fmul_rn(a, b);
+#endif
+}
+
 // V elements moved as one load / store: V = 16 / sizeof(T) gives 16-byte
 // accesses, V = 1 the scalar path of the same kernel.
 template <class T, int V>

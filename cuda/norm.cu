@@ -158,7 +158,10 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       for (int k = 0; k < V; ++k) part += (a[k] - mean) * (a[k] - mean);
     }
     const float rstd = float(1.0 / sqrt(double(block_sum(part)) / double(cols) + double(eps)));
-    // c1 = mean(g * x_hat), c2 = mean(g) with g = dy * w
+    // c1 = mean(g * x_hat), c2 = mean(g) with g = dy * w. g is rounded to
+    // fp32 the same way here and below (mul_rn: never fused into an FMA), so
+    // g - c2 is exactly 0 where it should be (cols == 1) and not the product's
+    // rounding error times rstd.
     float p1 = 0.0f, p2 = 0.0f;
     for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
       float a[V], g[V], wv[V];
@@ -167,11 +170,11 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       load_chunk(w, i, wv);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float xh = (a[k] - mean) * rstd;
+        const float xh = (a[k] - mean) * rstd, gw = mul_rn(g[k], wv[k]);
         dw[i * V + k] += g[k] * xh;
         if (Layer) db[i * V + k] += g[k];
-        p1 += g[k] * wv[k] * xh;
-        p2 += g[k] * wv[k];
+        p1 += gw * xh;
+        p2 += gw;
       }
     }
     const float c1 = float(double(block_sum(p1)) / double(cols));
@@ -183,7 +186,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       load_chunk(gr, i, g);
       load_chunk(w, i, wv);
 #pragma unroll
-      for (int k = 0; k < V; ++k) a[k] = rstd * (g[k] * wv[k] - c2 - (a[k] - mean) * rstd * c1);
+      for (int k = 0; k < V; ++k) a[k] = rstd * (mul_rn(g[k], wv[k]) - c2 - (a[k] - mean) * rstd * c1);
       store_chunk(dr, i, a);
     }
   }

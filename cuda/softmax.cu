@@ -29,11 +29,13 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       load_chunk(xr, i, a);
 #pragma unroll
       for (int k = 0; k < V; ++k)
-        if (i * V + k < valid) online_add(a[k] * scale, m, s);
+        if (i * V + k < valid) online_add(mul_rn(a[k], scale), m, s);
     }
     float sum;
     const float row_max = block_max_sum(m, s, &sum);
-    // log: v - (max + log(sum)); else exp(v - max) / sum.
+    // log: v - (max + log(sum)); else exp(v - max) / sum. v = x * scale is
+    // rounded alike in both passes (mul_rn, never fused into the subtraction),
+    // so the row's max element gives exactly -log(sum) (0 for one column).
     const float shift = log ? row_max + logf(sum) : row_max;
     const float inv = 1.0f / sum;
     const float masked = log ? kNegInf : 0.0f;
@@ -42,7 +44,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       load_chunk(xr, i, a);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float v = a[k] * scale - shift;
+        const float v = mul_rn(a[k], scale) - shift;
         a[k] = i * V + k >= valid ? masked : (log ? v : expf(v) * inv);
       }
       store_chunk(yr, i, a);

@@ -2,10 +2,12 @@
 #include "tensor_ops/ops.h"
 
 #include <cmath>
+#include <vector>
 
 #include "tensor_ops/device_memory.h"
 #include "tensor_ops/errors.h"
 #include "tensor_ops/registry.h"
+#include "tensor_ops/stream.h"
 #include "tensor_ops/transfer.h"
 
 namespace tensor_ops {
@@ -18,6 +20,62 @@ const char* op_name(OpId op) {
 #undef TENSOR_OPS_OP
   }
   return "unknown";
+}
+
+namespace {
+
+// This thread's streams, one per device that has one set (usually none or one).
+struct ThreadStream {
+  Device device;
+  void* stream;
+};
+thread_local std::vector<ThreadStream> thread_streams;
+
+// The backend of a device tensor's data; only backends with streams (plugin
+// ABI >= 2: a version-1 table has no stream_wait field to read).
+const to_backend_v1* stream_table(const Device& device) {
+  if (device.is_host()) return nullptr;
+  const Backend* b = Registry::instance().find(device.backend);
+  if (!b || !b->usable()) return nullptr;
+  const to_backend_v1& t = b->table();
+  return t.abi_version >= 2 && t.stream_wait ? &t : nullptr;
+}
+
+}  // namespace
+
+void* current_stream(const Device& device) {
+  for (const ThreadStream& s : thread_streams)
+    if (s.device == device) return s.stream;
+  return nullptr;
+}
+
+void* exchange_stream(const Device& device, void* stream) {
+  for (auto it = thread_streams.begin(); it != thread_streams.end(); ++it)
+    if (it->device == device) {
+      void* previous = it->stream;
+      if (stream)
+        it->stream = stream;
+      else
+        thread_streams.erase(it);
+      return previous;
+    }
+  if (stream) thread_streams.push_back({device, stream});
+  return nullptr;
+}
+
+StreamScope::StreamScope(const Device& device, void* stream)
+    : device_(device), previous_(exchange_stream(device, stream)) {}
+
+StreamScope::~StreamScope() { exchange_stream(device_, previous_); }
+
+bool has_streams(const Device& device) { return stream_table(device) != nullptr; }
+
+void stream_wait(const Device& device, void* consumer, void* producer) {
+  const to_backend_v1* t = stream_table(device);
+  if (!t)
+    throw Unsupported("stream_wait: " + device.str() + " has no streams (" +
+                      (device.is_host() ? std::string("host memory") : "backend '" + device.backend + "'") + ")");
+  Registry::instance().require(device.backend).check(t->stream_wait(device.id, consumer, producer), "stream_wait");
 }
 
 namespace {
@@ -171,6 +229,7 @@ void launch(OpId op, const TensorList& ins, const TensorList& outs, to_op_call& 
   };
   const bool stage = x.device().is_host() && b.name() != "cpu";
   if (!stage) {
+    call.stream = current_stream(x.device());
     for (size_t i = 0; i < ins.size(); ++i)
       if (ins[i]) call.inputs[i] = view(*ins[i], "input");
     for (size_t i = 0; i < outs.size(); ++i)

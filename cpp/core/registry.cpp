@@ -152,9 +152,9 @@ void Registry::load_plugins_from(const std::string& dir) {
       dlclose(handle);
       continue;
     }
-    if (table->abi_version != TENSOR_OPS_PLUGIN_ABI_VERSION) {
+    if (table->abi_version < TENSOR_OPS_PLUGIN_ABI_MIN_VERSION || table->abi_version > TENSOR_OPS_PLUGIN_ABI_VERSION) {
       fail("plugin ABI version " + std::to_string(table->abi_version) + ", core expects " +
-           std::to_string(TENSOR_OPS_PLUGIN_ABI_VERSION));
+           std::to_string(TENSOR_OPS_PLUGIN_ABI_MIN_VERSION) + " to " + std::to_string(TENSOR_OPS_PLUGIN_ABI_VERSION));
       dlclose(handle);
       continue;
     }

@@ -1,6 +1,9 @@
 #include "convert.h"
 
+#include <nanobind/stl/string.h>
+
 #include "tensor_ops/errors.h"
+#include "tensor_ops/stream.h"
 
 namespace nb = nanobind;
 
@@ -130,6 +133,52 @@ Tensor to_tensor(nb::handle h, const char* arg, bool as_bfloat16) {
     throw DTypeError(std::string(arg) + " of type " + nb::inst_name(h).c_str() +
                      " is not an array tensor_ops can read (numpy, torch, DLPack or tensor_ops.Tensor)");
   return to_tensor(a, arg, as_bfloat16);
+}
+
+// Streams as the DLPack consumer / producer code in _arrays.py and memory.py
+// uses them: handles are integers (a cudaStream_t's address, 0 the default).
+namespace {
+
+// "cuda:1", "hip" (device 0): a stream's device, named without asking the
+// registry, so a stream can be set (and a DLPack producer asked for it)
+// before the backend is known to be usable; the op itself says if it is not.
+Device stream_device(const std::string& name) {
+  const size_t colon = name.find(':');
+  Device d{name.substr(0, colon), 0};
+  if (colon != std::string::npos) {
+    const std::string num = name.substr(colon + 1);
+    if (num.empty() || num.size() > 6 || num.find_first_not_of("0123456789") != std::string::npos)
+      throw InvalidArgument("bad device '" + name + "': expected 'backend' or 'backend:index'");
+    d.id = std::stoi(num);
+  }
+  if (d.backend == "cpu") d.backend = "host";
+  return d;
+}
+
+}  // namespace
+
+void init_streams(nb::module_& m) {
+  auto ptr = [](uintptr_t h) { return reinterpret_cast<void*>(h); };
+  m.def(
+      "_exchange_stream",
+      [ptr](const std::string& device, uintptr_t stream) {
+        return reinterpret_cast<uintptr_t>(exchange_stream(stream_device(device), ptr(stream)));
+      },
+      nb::arg("device"), nb::arg("stream"),
+      "Makes `stream` the one this thread's ops on `device` run on; returns the previous one (0: the default).");
+  m.def(
+      "_current_stream",
+      [](const std::string& device) { return reinterpret_cast<uintptr_t>(current_stream(stream_device(device))); },
+      nb::arg("device"));
+  m.def("_has_streams", [](const std::string& device) { return has_streams(stream_device(device)); },
+        nb::arg("device"));
+  m.def(
+      "_stream_wait",
+      [ptr](const std::string& device, uintptr_t consumer, uintptr_t producer) {
+        stream_wait(stream_device(device), ptr(consumer), ptr(producer));
+      },
+      nb::arg("device"), nb::arg("consumer"), nb::arg("producer"),
+      "Work queued later on `consumer` waits (on the device) for the work queued so far on `producer`.");
 }
 
 }  // namespace tensor_ops::python

@@ -12,4 +12,7 @@ Tensor to_tensor(const nanobind::ndarray<nanobind::ro>& a, const char* arg, bool
 // A tensor_ops.Tensor as is, or any array nanobind can import (buffer, DLPack).
 Tensor to_tensor(nanobind::handle h, const char* arg, bool as_bfloat16 = false);
 
+// _C._exchange_stream, _current_stream, _has_streams, _stream_wait.
+void init_streams(nanobind::module_& m);
+
 }  // namespace tensor_ops::python

@@ -8,6 +8,7 @@ void init_errors(nb::module_& m);
 void init_memory(nb::module_& m);
 void init_ops(nb::module_& m);
 void init_registry(nb::module_& m);
+void init_streams(nb::module_& m);
 }  // namespace tensor_ops::python
 
 NB_MODULE(_C, m) {
@@ -16,4 +17,5 @@ NB_MODULE(_C, m) {
   tensor_ops::python::init_memory(m);
   tensor_ops::python::init_ops(m);
   tensor_ops::python::init_registry(m);
+  tensor_ops::python::init_streams(m);
 }

@@ -31,6 +31,92 @@ def is_torch(x) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
+# Note [DLPack streams]
+# Device data with streams (CUDA, ROCm) is read on one stream per op call: the
+# caller's. For torch tensors that is torch's current stream on their device,
+# for cupy arrays cupy's; otherwise the stream set for this thread on the
+# device (memory.use_stream), else the default. Each device input and output
+# is imported with __dlpack__(stream=<that stream>), so its producer makes the
+# stream wait for its pending work (the DLPack spec: 1 is CUDA's legacy default
+# stream, 0 ROCm's), and the core runs the kernels on it. Exports
+# (memory.Tensor.__dlpack__) do the converse with consumer_stream below.
+
+# DLPack device types whose data is ordered by streams, and their backends.
+_KDL_CUDA, _KDL_ROCM, _KDL_CUDA_MANAGED = 2, 10, 13
+STREAM_BACKENDS = {_KDL_CUDA: "cuda", _KDL_CUDA_MANAGED: "cuda", _KDL_ROCM: "hip"}
+
+
+def dlpack_stream(dl_type: int, handle: int) -> int:
+    """The __dlpack__(stream=...) value naming stream `handle` (0: the default)."""
+    if handle == 0:
+        return 0 if dl_type == _KDL_ROCM else 1
+    return handle
+
+
+def consumer_stream(dl_type: int, stream):
+    """The stream handle a DLPack consumer's __dlpack__(stream=...) names, 0
+    for the default stream, or None when it asks for no synchronisation (-1).
+    Raises for values the spec does not allow on that device type."""
+    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
+        raise TypeError(f"__dlpack__: stream must be an int or None, got {type(stream).__name__}")
+    if stream == -1:
+        return None
+    if dl_type not in STREAM_BACKENDS:
+        if stream is None:
+            return None
+        raise InvalidArgumentError(
+            f"__dlpack__: stream={stream} for data on DLPack device type {dl_type}, which has no streams; "
+            "pass stream=None (or -1)"
+        )
+    if stream is None:
+        return 0  # the legacy default stream on CUDA, the default on ROCm
+    if dl_type == _KDL_ROCM:
+        if stream in (1, 2):
+            raise InvalidArgumentError(
+                f"__dlpack__: stream={stream} is a CUDA sentinel; ROCm takes None or 0 (the default stream), "
+                "-1 or a hipStream_t"
+            )
+        if stream < 0:
+            raise InvalidArgumentError(f"__dlpack__: stream={stream} is not a ROCm stream")
+        return stream
+    if stream == 0:
+        raise InvalidArgumentError(
+            "__dlpack__: stream=0 is ambiguous on CUDA and the DLPack spec disallows it; "
+            "pass 1 (legacy default stream), 2 (per-thread default stream), -1 or a cudaStream_t"
+        )
+    if stream < 0:
+        raise InvalidArgumentError(f"__dlpack__: stream={stream} is not a CUDA stream")
+    return 0 if stream == 1 else stream  # 2 stays cudaStreamPerThread, a valid handle
+
+
+def stream_device(value, kind: str):
+    """(DLPack device type, device id) of device data ordered by streams, else None."""
+    if kind == "torch":
+        if not value.is_cuda:  # ROCm builds of torch call their GPUs cuda too
+            return None
+        t = _torch()
+        return (_KDL_ROCM if getattr(t.version, "hip", None) else _KDL_CUDA), value.device.index or 0
+    if kind == "dlpack":
+        try:
+            dl_type, dev_id = value.__dlpack_device__()
+        except (AttributeError, TypeError):
+            return None
+        return (int(dl_type), int(dev_id)) if int(dl_type) in STREAM_BACKENDS else None
+    return None
+
+
+def _framework_stream(value, kind: str, dev_id: int):
+    """The framework's current stream for value's device (a handle), or None."""
+    if kind == "torch":
+        t = _torch()
+        return int(t.cuda.current_stream(dev_id).cuda_stream)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and (type(value).__module__ or "").startswith("cupy"):
+        with cupy.cuda.Device(dev_id):
+            return int(cupy.cuda.get_current_stream().ptr)
+    return None
+
+
 class Arg:
     """One array argument as the core sees it."""
 
@@ -97,6 +183,57 @@ def native(value):
     return value
 
 
+def _kind(value) -> str:
+    if is_torch(value):
+        return "torch"
+    if not isinstance(value, (np.ndarray, _C.Tensor)) and hasattr(value, "__dlpack__"):
+        return "dlpack"
+    return "other"
+
+
+class _Streams:
+    """The stream of one op call on device data with streams (Note [DLPack
+    streams]); inactive (no cost) for host data, numpy and tensor_ops.Tensor."""
+
+    __slots__ = ("device", "dl_type", "handle")
+
+    def __init__(self, args: list, outs: list):
+        self.device = None
+        first = next((a for a in args if a is not None), None)
+        if first is None or first.kind not in ("torch", "dlpack") or (first.kind == "torch" and not first.array.is_cuda):
+            return
+        where = stream_device(first.array, first.kind)
+        if where is None:
+            return
+        self.dl_type, dev_id = where
+        self.device = f"{STREAM_BACKENDS[self.dl_type]}:{dev_id}"
+        handle = None
+        for value, kind in [(a.array, a.kind) for a in args if a is not None] + [(o, _kind(o)) for o in outs]:
+            if kind in ("torch", "dlpack") and stream_device(value, kind) == where:
+                handle = _framework_stream(value, kind, dev_id)
+                if handle is not None:
+                    break
+        self.handle = _C._current_stream(self.device) if handle is None else handle
+
+    def export(self, value, kind: str):
+        """value as the core should get it: device data with streams as a
+        capsule made for our stream, anything else as it is."""
+        if self.device is None or kind not in ("torch", "dlpack") or stream_device(value, kind) is None:
+            return value
+        return value.__dlpack__(stream=dlpack_stream(self.dl_type, self.handle))
+
+    def call(self, fn, ins: list, outs: list, extra, bf16: bool):
+        if self.device is None:
+            return fn(*ins, *outs, *extra, bf16=bf16)
+        ins = [None if v is None else self.export(v, _kind(v)) for v in ins]
+        outs = [None if o is None else self.export(o, _kind(o)) for o in outs]
+        previous = _C._exchange_stream(self.device, self.handle)
+        try:
+            return fn(*ins, *outs, *extra, bf16=bf16)
+        finally:
+            _C._exchange_stream(self.device, previous)
+
+
 def run(fn, args: list[Arg], outs: list, *extra):
     """fn(*inputs, *outputs, *extra, bf16=...) with a contiguous retry for
     strided inputs; outputs must be writable."""
@@ -107,13 +244,14 @@ def run(fn, args: list[Arg], outs: list, *extra):
         if isinstance(o, np.ndarray) and not o.flags.writeable:
             raise InvalidArgumentError(f"output is a read-only numpy array (shape {o.shape}, dtype {o.dtype})")
     outs_n = [native(o) for o in outs]
+    streams = _Streams(args, outs_n)
     try:
-        fn(*[a.array if a is not None else None for a in args], *outs_n, *extra, bf16=bf16)
+        streams.call(fn, [a.array if a is not None else None for a in args], outs_n, extra, bf16)
     except LayoutError:
         for a in args:
             if a is not None:
                 a.contiguous()
-        fn(*[a.array if a is not None else None for a in args], *outs_n, *extra, bf16=bf16)
+        streams.call(fn, [a.array if a is not None else None for a in args], outs_n, extra, bf16)
 
 
 def call(fn, args: list[Arg], out, *extra):
@@ -127,10 +265,11 @@ def call(fn, args: list[Arg], out, *extra):
         raise DTypeError("a numpy bfloat16 input needs a numpy bfloat16 out")
     if not bf16 and isinstance(out_arr, np.ndarray) and out_arr is not out:
         raise DTypeError("out is bfloat16 but the inputs are not")
+    streams = _Streams(args, [out_arr])
     try:
-        fn(*[a.array for a in args], out_arr, *extra, bf16=bf16)
+        streams.call(fn, [a.array for a in args], [out_arr], extra, bf16)
     except LayoutError:
         for a in args:
             a.contiguous()
-        fn(*[a.array for a in args], out_arr, *extra, bf16=bf16)
+        streams.call(fn, [a.array for a in args], [out_arr], extra, bf16)
     return out

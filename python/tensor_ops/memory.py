@@ -2,11 +2,13 @@
 and tensor_ops.Tensor (data resident on any device, owned by a pool block)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Sequence
 
 import numpy as np
 
 from . import _C
+from ._arrays import consumer_stream
 
 Tensor = _C.Tensor
 
@@ -102,3 +104,40 @@ def _tensor_numpy(self) -> np.ndarray:
 
 
 Tensor.numpy = _tensor_numpy
+
+
+@contextlib.contextmanager
+def use_stream(stream: int, device):
+    """Within the block, this thread's ops on `device` ("cuda:0", "hip:0")
+    run on `stream` (a cudaStream_t / hipStream_t as an int; 0 the default)
+    and its Tensors are exported for consumers as produced on it. torch
+    tensors always use torch's current stream."""
+    dev = str(device)
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+        raise TypeError(f"use_stream: stream must be a stream handle (an int >= 0), got {stream!r}")
+    previous = _C._exchange_stream(dev, stream)
+    try:
+        yield
+    finally:
+        _C._exchange_stream(dev, previous)
+
+
+_export_dlpack = Tensor.__dlpack__
+
+
+def _tensor_dlpack(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+    """DLPack export with the spec's stream semantics: the consumer's stream
+    (None: the default, 1 / 2 CUDA's legacy / per-thread default stream, 0
+    ROCm's default, a handle otherwise) waits, on the device, for the work
+    queued on ours; -1 skips that. Host / OpenCL / SYCL data takes None or -1."""
+    dl_type, _ = self.__dlpack_device__()
+    consumer = consumer_stream(dl_type, stream)
+    if consumer is not None:
+        device = self.device
+        producer = _C._current_stream(device)
+        if consumer != producer and _C._has_streams(device):
+            _C._stream_wait(device, consumer, producer)
+    return _export_dlpack(self, max_version=max_version, dl_device=dl_device, copy=copy)
+
+
+Tensor.__dlpack__ = _tensor_dlpack

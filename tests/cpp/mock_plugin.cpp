@@ -1,7 +1,8 @@
 // A backend plugin for the tests, built three times (tests/cpp/CMakeLists.txt):
 //   mock        usable, priority 10, one device, silu for float32 only;
 //   mockbroken  init() fails as if its vendor runtime were missing;
-//   mockbadabi  its table claims an ABI version the core does not speak.
+//   mockbadabi  its table claims an ABI version the core does not speak;
+//   mockv1      an ABI-1 table (before stream_wait): still loads, no streams.
 // Its "device memory" is host memory, so tests can read what a kernel wrote.
 #include <atomic>
 #include <cmath>
@@ -29,6 +30,9 @@ thread_local std::string last_error_text;
 // the mock from several threads (under ThreadSanitizer in CI).
 thread_local to_op_call last_call{};
 std::atomic<uint64_t> copies[3] = {0, 0, 0};
+// stream_wait calls: how many, and the last one's streams (single-threaded tests).
+uint64_t waits = 0;
+void* last_wait[2] = {nullptr, nullptr};
 
 to_status mock_init(char* reason, size_t reason_len) {
 #ifdef TENSOR_OPS_MOCK_BROKEN
@@ -90,6 +94,20 @@ to_status mock_memset(int32_t, void* dst, uint64_t offset, int32_t value, size_t
 to_status mock_synchronize(int32_t) { return TO_OK; }
 const char* mock_last_error() { return last_error_text.c_str(); }
 
+#if TENSOR_OPS_MOCK_ABI_VERSION >= 2
+// A handle of 0xbad is a stream the "runtime" rejects.
+to_status mock_stream_wait(int32_t, void* consumer, void* producer) {
+  if (consumer == reinterpret_cast<void*>(0xbad) || producer == reinterpret_cast<void*>(0xbad)) {
+    last_error_text = "mockStreamWaitEvent returned 400 (invalid resource handle)";
+    return TO_ERR_DEVICE;
+  }
+  ++waits;
+  last_wait[0] = consumer;
+  last_wait[1] = producer;
+  return TO_OK;
+}
+#endif
+
 to_status mock_silu(const to_op_call* c) {
   last_call = *c;
   const to_tensor &x = c->inputs[0], &y = c->outputs[0];
@@ -123,6 +141,9 @@ to_backend_v1 make_table() {
   t.synchronize = mock_synchronize;
   t.last_error = mock_last_error;
   t.kernels[int(tensor_ops::OpId::silu)] = mock_silu;
+#if TENSOR_OPS_MOCK_ABI_VERSION >= 2
+  t.stream_wait = mock_stream_wait;
+#endif
   return t;
 }
 
@@ -139,4 +160,11 @@ extern "C" __attribute__((visibility("default"))) const to_op_call* tensor_ops_m
 
 extern "C" __attribute__((visibility("default"))) uint64_t tensor_ops_mock_copies(int32_t kind) {
   return copies[kind].load();
+}
+
+// stream_wait calls so far; the last one's consumer and producer streams.
+extern "C" __attribute__((visibility("default"))) uint64_t tensor_ops_mock_waits(void** consumer, void** producer) {
+  *consumer = last_wait[0];
+  *producer = last_wait[1];
+  return waits;
 }

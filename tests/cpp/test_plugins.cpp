@@ -12,6 +12,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend_scope.h"
@@ -21,6 +22,7 @@
 #include "tensor_ops/errors.h"
 #include "tensor_ops/ops.h"
 #include "tensor_ops/registry.h"
+#include "tensor_ops/stream.h"
 #include "thrown_message.h"
 
 #ifndef TENSOR_OPS_TEST_PLUGIN_DIR
@@ -67,6 +69,21 @@ uint64_t mock_copies(int32_t kind) {
   return fn ? fn(kind) : 0;
 }
 
+// stream_wait calls the mock has seen; the last one's streams.
+struct MockWaits {
+  uint64_t count = 0;
+  void* consumer = nullptr;
+  void* producer = nullptr;
+};
+MockWaits mock_waits() {
+  MockWaits w;
+  auto fn = mock_symbol<uint64_t (*)(void**, void**)>("tensor_ops_mock_waits");
+  if (fn) w.count = fn(&w.consumer, &w.producer);
+  return w;
+}
+
+void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
+
 class PluginTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { Registry::instance().load_plugins_from(kPluginDir); }
@@ -78,7 +95,7 @@ class PluginTest : public ::testing::Test {
 };
 
 TEST_F(PluginTest, TheMocksWereBuiltIntoTheirDirectory) {
-  for (const char* name : {"mock", "mockbroken", "mockbadabi"})
+  for (const char* name : {"mock", "mockbroken", "mockbadabi", "mockv1"})
     EXPECT_TRUE(std::filesystem::exists(kPluginDir + "/libtensor_ops_" + name + ".so")) << name;
 }
 
@@ -119,7 +136,8 @@ TEST_F(PluginTest, WrongAbiMockIsListedWithTheVersions) {
   EXPECT_TRUE(s->compiled);
   EXPECT_FALSE(s->usable);
   EXPECT_THAT(s->reason, HasSubstr("ABI version 999"));
-  EXPECT_THAT(s->reason, HasSubstr("expects " + std::to_string(TENSOR_OPS_PLUGIN_ABI_VERSION)));
+  EXPECT_THAT(s->reason, HasSubstr("expects " + std::to_string(TENSOR_OPS_PLUGIN_ABI_MIN_VERSION) + " to " +
+                                   std::to_string(TENSOR_OPS_PLUGIN_ABI_VERSION)));
   EXPECT_THAT(s->library, EndsWith("/libtensor_ops_mockbadabi.so"));
   EXPECT_EQ(reg_.find("mockbadabi"), nullptr);
   EXPECT_THAT(thrown_message<BackendUnavailable>([&] { reg_.require("mockbadabi"); }), HasSubstr("ABI version"));
@@ -298,6 +316,99 @@ TEST_F(PluginTest, MockDeviceChecks) {
               HasSubstr("out is on cpu but x is on mock:0"));
   EXPECT_THROW(silu(x.tensor({4}, {}, Device{"mockbroken", 0}), y.tensor({4}, {}, Device{"mockbroken", 0})),
                BackendUnavailable);
+}
+
+}  // namespace
+}  // namespace tensor_ops
+
+namespace tensor_ops {
+namespace {
+
+TEST_F(PluginTest, AnAbi1PluginStillLoadsWithoutStreams) {
+  const std::optional<BackendStatus> s = status_of("mockv1");
+  ASSERT_TRUE(s.has_value());
+  EXPECT_TRUE(s->usable) << s->reason;
+  ASSERT_NE(reg_.find("mockv1"), nullptr);
+  EXPECT_EQ(reg_.find("mockv1")->table().abi_version, 1u);
+  const Device v1{"mockv1", 0};
+  EXPECT_FALSE(has_streams(v1));
+  EXPECT_THAT(thrown_message<Unsupported>([&] { stream_wait(v1, handle(0x10), nullptr); }),
+              HasSubstr("mockv1:0 has no streams"));
+  // Its kernels run as before; the stream field is there for them to ignore.
+  HostBuffer x(DType::Float32, 4), y(DType::Float32, 4);
+  for (int64_t i = 0; i < 4; ++i) x.set(i, float(i));
+  silu(x.tensor({4}, {}, v1), y.tensor({4}, {}, v1));
+  EXPECT_FLOAT_EQ(y.get(3), float(3.0 / (1 + std::exp(-3.0))));
+}
+
+TEST_F(PluginTest, KernelsRunOnTheThreadsStreamForTheirDevice) {
+  HostBuffer x(DType::Float32, 8), y(DType::Float32, 8);
+  const Tensor tx = x.tensor({2, 4}, {}, kMock), ty = y.tensor({2, 4}, {}, kMock);
+  silu(tx, ty);
+  EXPECT_EQ(mock_last_call().stream, nullptr) << "no stream set: the default";
+  {
+    StreamScope outer(kMock, handle(0x1000));
+    EXPECT_EQ(current_stream(kMock), handle(0x1000));
+    silu(tx, ty);
+    EXPECT_EQ(mock_last_call().stream, handle(0x1000));
+    {
+      StreamScope inner(kMock, handle(0x2000));
+      silu(tx, ty);
+      EXPECT_EQ(mock_last_call().stream, handle(0x2000));
+    }
+    silu(tx, ty);
+    EXPECT_EQ(mock_last_call().stream, handle(0x1000)) << "the inner scope restored the outer stream";
+    // A stream set for another device does not leak onto this one.
+    StreamScope other(Device{"mock", 1}, handle(0x3000));
+    silu(tx, ty);
+    EXPECT_EQ(mock_last_call().stream, handle(0x1000));
+  }
+  EXPECT_EQ(current_stream(kMock), nullptr);
+  silu(tx, ty);
+  EXPECT_EQ(mock_last_call().stream, nullptr);
+}
+
+TEST_F(PluginTest, StreamsAreThreadLocal) {
+  HostBuffer x(DType::Float32, 4), y(DType::Float32, 4);
+  StreamScope mine(kMock, handle(0x1000));
+  void* seen = handle(1);
+  std::thread([&] {
+    seen = current_stream(kMock);
+    silu(x.tensor({4}, {}, kMock), y.tensor({4}, {}, kMock));
+  }).join();
+  EXPECT_EQ(seen, nullptr);
+  EXPECT_EQ(mock_last_call().stream, nullptr) << "the other thread ran on its default stream";
+}
+
+TEST_F(PluginTest, HostDataStagedToTheMockRunsOnTheDefaultStream) {
+  // Staging copies are blocking on the default stream: the kernel between
+  // them must be on it too, whatever stream is set for the device.
+  BackendScope use("mock");
+  StreamScope s(kMock, handle(0x1000));
+  HostBuffer x(DType::Float32, 4), y(DType::Float32, 4);
+  silu(x.tensor({4}), y.tensor({4}));
+  EXPECT_EQ(mock_last_call().stream, nullptr);
+}
+
+TEST_F(PluginTest, StreamWaitReachesThePlugin) {
+  EXPECT_TRUE(has_streams(kMock));
+  const MockWaits before = mock_waits();
+  stream_wait(kMock, handle(0x2), handle(0x1000));
+  const MockWaits after = mock_waits();
+  EXPECT_EQ(after.count, before.count + 1);
+  EXPECT_EQ(after.consumer, handle(0x2));
+  EXPECT_EQ(after.producer, handle(0x1000));
+  EXPECT_THAT(thrown_message<DeviceError>([&] { stream_wait(kMock, handle(0xbad), nullptr); }),
+              HasSubstr("invalid resource handle"));
+  EXPECT_EQ(mock_waits().count, after.count);
+}
+
+TEST_F(PluginTest, StreamWaitNeedsAStreamBackend) {
+  EXPECT_FALSE(has_streams(Device{}));
+  EXPECT_FALSE(has_streams(Device{"cpu", 0}));
+  EXPECT_FALSE(has_streams(Device{"mockbroken", 0}));
+  EXPECT_THAT(thrown_message<Unsupported>([&] { stream_wait(Device{}, nullptr, nullptr); }), HasSubstr("host memory"));
+  EXPECT_THROW(stream_wait(Device{"mockbroken", 0}, nullptr, nullptr), Unsupported);
 }
 
 }  // namespace

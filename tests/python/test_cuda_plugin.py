@@ -131,7 +131,44 @@ class _Table(ctypes.Structure):
         ("synchronize", _F(ctypes.c_int, ctypes.c_int32)),
         ("last_error", _F(ctypes.c_char_p)),
         ("kernels", ctypes.c_void_p * 64),
+        # ABI 2
+        ("stream_wait", _F(ctypes.c_int, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p)),
     ]
+
+
+def test_mirrors_match_plugin_h():
+    """The ctypes structures above against the C declarations: the field
+    names in order and the array sizes (a missed field shifts every one after)."""
+    import os
+
+    header = os.path.join(os.path.dirname(__file__), "..", "..", "cpp", "include", "tensor_ops", "plugin.h")
+    if not os.path.exists(header):
+        pytest.skip("needs the source tree's plugin.h")
+    text = open(header).read()
+    consts = {k: int(v) for k, v in re.findall(r"#define TENSOR_OPS_(MAX_\w+) (\d+)", text)}
+    sizes = {"TENSOR_OPS_" + k: v for k, v in consts.items()}
+
+    def fields(struct):
+        body = re.search(r"typedef struct %s \{(.*?)\n\} %s;" % (struct, struct), text, re.S).group(1)
+        body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+        out = []
+        for decl in body.split(";"):
+            decl = " ".join(decl.split())
+            if not decl:
+                continue
+            m = re.search(r"\(\*(\w+)\)", decl) or re.search(r"(\w+)(?:\[(\w+)\])?$", decl)
+            n = m.group(2) if m.lastindex and m.lastindex >= 2 else None
+            out.append((m.group(1), (sizes[n] if n in sizes else int(n)) if n else None))
+        return out
+
+    def mirror(cls):
+        return [(name, getattr(ty, "_length_", None)) for name, ty in cls._fields_]
+
+    assert mirror(_View) == fields("to_tensor")
+    assert mirror(_OpCall) == fields("to_op_call")
+    assert mirror(_DeviceInfo) == fields("to_device_info")
+    assert mirror(_Table) == fields("to_backend_v1")
+    assert re.search(r"#define TENSOR_OPS_PLUGIN_ABI_VERSION 2u", text), "plugin.h changed: update _Table"
 
 
 @pytest.fixture
@@ -142,7 +179,7 @@ def table(unusable):
     entry = lib.tensor_ops_backend_v1
     entry.restype = ctypes.POINTER(_Table)
     t = entry().contents
-    assert t.abi_version == 1, "plugin.h changed: update _Table in this test"
+    assert t.abi_version == 2, "plugin.h changed: update _Table in this test"
     return t
 
 
@@ -183,6 +220,12 @@ def test_table_error_paths_without_a_device(table, unusable):
     kernel = _F(ctypes.c_int, ctypes.POINTER(_OpCall))(table.kernels[OP_IDS["silu"]])
     assert kernel(ctypes.byref(call)) == TO_ERR_DEVICE
     assert re.search(rf"{api}\w+\(.*\) returned \d+", err()), err()
+    call.stream = 0x1000  # a caller's stream: the device check fails first, nothing is launched on it
+    assert kernel(ctypes.byref(call)) == TO_ERR_DEVICE
+    assert table.stream_wait, "the GPU plugins order DLPack exports with stream_wait"
+    assert table.stream_wait(0, None, None) == TO_ERR_DEVICE
+    assert re.search(rf"^{api}(GetDevice|SetDevice|EventCreateWithFlags)\(.*\) returned \d+ \({api}Error\w+: .+\)",
+                     err()), err()
 
 
 # --- with a usable device: conformance on torch device tensors vs float64 ---
@@ -568,3 +611,50 @@ def test_gpu_cross_entropy(usable, C, dtype, rng):
     bad[0] = C
     with pytest.raises(ValueError, match=re.escape(f"a target is outside [0, {C}) and is not the ignore_index -100")):
         tensor_ops.cross_entropy(logits, bad)
+
+
+# --- streams: torch's current stream, DLPack export waits (Note [DLPack streams]) ---
+
+def _late_on(stream, dev, value):
+    """A tensor that holds `value` only once `stream` gets past a long sleep:
+    a kernel on any other stream would read its zeros."""
+    t = torch.zeros_like(value, device=dev)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)
+        t.copy_(value)
+    return t
+
+
+def test_gpu_ops_run_on_torchs_current_stream(usable, rng):
+    dev = _torch_device_for(usable.name)
+    side = torch.cuda.Stream(dev)
+    x = _dev_tensor(rng, (64, 1000), "float32", dev, 3)
+    w = _dev_tensor(rng, (1000,), "float32", dev)
+    late = _late_on(side, dev, x)
+    with torch.cuda.stream(side):
+        y = tensor_ops.rms_norm(late, w)
+        out = torch.empty_like(x)
+        tensor_ops.silu(late, out=out)
+    side.synchronize()
+    assert_close(y, ref_rms_norm(x, w), "float32", "rms_norm on torch's side stream")
+    assert_close(out, ref_silu(x), "float32", "silu out= on torch's side stream")
+
+
+def test_gpu_export_makes_the_consumer_wait(usable, rng):
+    dev = _torch_device_for(usable.name)
+    x = (rng.standard_normal((256, 1024)) * 3).astype(np.float32)
+    side = torch.cuda.Stream(dev)
+    t = tensor_ops.from_numpy(x, device=usable.name)
+    # Our kernel on side (behind a sleep), the consumer (torch) on its default stream.
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+    with tensor_ops.memory.use_stream(side.cuda_stream, f"{usable.name}:0"):
+        y = tensor_ops.silu(t)
+        got = torch.from_dlpack(y)  # asks with stream=1: its stream waits for side
+    assert_close(got.clone(), ref_silu(x), "float32", "export to torch's default stream")
+    torch.cuda.synchronize()
+    bad = 1 if usable.name == "hip" else 0  # a sentinel the other runtime does not define
+    with pytest.raises(ValueError, match=f"stream={bad}"):
+        y.__dlpack__(stream=bad)
+    y.__dlpack__(stream=-1)  # no synchronisation asked for: fine

@@ -17,7 +17,10 @@
 extern "C" {
 #endif
 
-#define TENSOR_OPS_PLUGIN_ABI_VERSION 1u
+/* 2 appended stream_wait to the table; the core still loads version-1
+ * tables (they end at kernels[]) and reads nothing past them. */
+#define TENSOR_OPS_PLUGIN_ABI_VERSION 2u
+#define TENSOR_OPS_PLUGIN_ABI_MIN_VERSION 1u
 #define TENSOR_OPS_MAX_OPS 64
 #define TENSOR_OPS_MAX_DIMS 8
 #define TENSOR_OPS_MAX_OP_TENSORS 8
@@ -68,7 +71,10 @@ typedef struct to_op_call {
   to_tensor outputs[TENSOR_OPS_MAX_OP_TENSORS];
   double scalars[4];
   int64_t ints[8];
-  void* stream; /* backend stream handle or NULL for the default */
+  /* The queue the kernel runs on, a backend handle (cudaStream_t,
+   * hipStream_t): the caller's, when a framework passed one (the core sets
+   * it per thread, see tensor_ops/stream.h); NULL the default stream. */
+  void* stream;
 } to_op_call;
 
 typedef struct to_device_info {
@@ -111,6 +117,16 @@ typedef struct to_backend_v1 {
   const char* (*last_error)(void);
   /* Indexed by op id (ops.def); NULL means the op is unsupported here. */
   to_kernel_fn kernels[TENSOR_OPS_MAX_OPS];
+
+  /* ---- ABI 2: read only when abi_version >= 2 (a version-1 table ends above) ---- */
+
+  /* Makes work queued later on `consumer` wait, on the device, for the work
+   * queued so far on `producer` (an event recorded on one, waited on by the
+   * other; the host does not wait). Stream handles as in to_op_call.stream,
+   * NULL the legacy default stream; the special handles a runtime defines
+   * (CUDA's cudaStreamLegacy 0x1, cudaStreamPerThread 0x2) pass through.
+   * NULL: the backend has no streams (its work is ordered on the host). */
+  to_status (*stream_wait)(int32_t device, void* consumer, void* producer);
 } to_backend_v1;
 
 typedef const to_backend_v1* (*to_backend_entry_fn)(void);
