@@ -80,23 +80,23 @@ inline double dot_f(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-// max(scale * v[i]) over [0, n), storing the scaled values: 16 lanes so the
+// max(scale * src[i]) over [0, n), storing the scaled values in v: 16 lanes so the
 // loop vectorises (a single running max is a serial chain). NaN propagates
 // (a NaN lane stays NaN: `a > m ? a : m` keeps m, so NaN is checked apart).
-inline float scale_max_f(float* v, int64_t n, float scale) {
+inline float scale_max_f(const float* src, float* v, int64_t n, float scale) {
   float acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = -__builtin_inff();
   int nan = 0;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     for (int j = 0; j < 16; ++j) {
-      const float a = v[i + j] * scale;
+      const float a = src[i + j] * scale;
       v[i + j] = a;
       acc[j] = a > acc[j] ? a : acc[j];
       nan |= a != a;
     }
   for (; i < n; ++i) {
-    const float a = v[i] * scale;
+    const float a = src[i] * scale;
     v[i] = a;
     acc[i & 15] = a > acc[i & 15] ? a : acc[i & 15];
     nan |= a != a;
@@ -104,6 +104,32 @@ inline float scale_max_f(float* v, int64_t n, float scale) {
   float m = acc[0];
   for (int j = 1; j < 16; ++j) m = acc[j] > m ? acc[j] : m;
   return nan ? __builtin_nanf("") : m;
+}
+
+// v[i] = exp(v[i] - m) in place, returning their sum (fp32 lanes per block,
+// double across blocks): one pass instead of an exp pass and a sum pass.
+inline double exp_sum_f(float* v, int64_t n, float m) {
+  double total = 0;
+  for (int64_t c = 0; c < n; c += kBlock) {
+    const int64_t len = min64(kBlock, n - c);
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16)
+      for (int j = 0; j < 16; ++j) {
+        const float e = exp_f32(v[c + i + j] - m);
+        v[c + i + j] = e;
+        acc[j] += e;
+      }
+    for (; i < len; ++i) {
+      const float e = exp_f32(v[c + i] - m);
+      v[c + i] = e;
+      acc[i & 15] += e;
+    }
+    float s = 0;
+    for (int j = 0; j < 16; ++j) s += acc[j];
+    total += s;
+  }
+  return total;
 }
 
 // sum(exp(v[i] - m)), fp32 lanes per block, double across blocks.
@@ -238,14 +264,17 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const float ninf = -__builtin_inff();
   float* v = scratch;
   for (int64_t r = r0; r < r1; ++r) {
-    ld<D>(x.data, r * x.strides[0], cols, v);
     int64_t valid = cols;
     if (causal) {
       const int64_t i = r % lq;
       valid = i + cols - lq + 1;
       valid = valid < 0 ? 0 : (valid > cols ? cols : valid);
     }
-    const float m = scale_max_f(v, valid, scale);
+    // float32: scaled straight from x into v (one pass: load, scale, max).
+    const float* src = v;
+    if constexpr (D == DType::Float32) src = reinterpret_cast<const float*>(row_ptr(x)) + r * x.strides[0];
+    else ld<D>(x.data, r * x.strides[0], valid, v);
+    const float m = scale_max_f(src, v, valid, scale);
     if (valid == 0) {
       for (int64_t j = 0; j < cols; ++j) v[j] = log ? ninf : 0.0f;
     } else {
@@ -258,8 +287,7 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
         for (int64_t j = 0; j < valid; ++j) v[j] = (v[j] - m) - ls;
         for (int64_t j = valid; j < cols; ++j) v[j] = ninf;
       } else {
-        for (int64_t j = 0; j < valid; ++j) v[j] = exp_f32(v[j] - m);
-        sum = sum_f(v, valid);
+        sum = exp_sum_f(v, valid, m);
         const float inv = float(1.0 / sum);
         for (int64_t j = 0; j < valid; ++j) v[j] *= inv;
         for (int64_t j = valid; j < cols; ++j) v[j] = 0.0f;
@@ -367,14 +395,23 @@ int glu_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
   const int64_t a = c.ints[0];
   alignas(64) float gv[kBlock], uv[kBlock];
   for_spans(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t n) {
-    ld<D>(c.inputs[0].data, o0, n, gv);
-    ld<D>(c.inputs[1].data, o1, n, uv);
+    // float32 is read in place (no copy into the block buffers); 16-bit
+    // inputs are widened first. The result goes to gv, then out (which may
+    // be gate or up itself).
+    const float *gp = gv, *up = uv;
+    if constexpr (D == DType::Float32) {
+      gp = static_cast<const float*>(c.inputs[0].data) + o0;
+      up = static_cast<const float*>(c.inputs[1].data) + o1;
+    } else {
+      ld<D>(c.inputs[0].data, o0, n, gv);
+      ld<D>(c.inputs[1].data, o1, n, uv);
+    }
     if (a == 0)
-      for (int64_t i = 0; i < n; ++i) gv[i] = silu_f32(gv[i]) * uv[i];
+      for (int64_t i = 0; i < n; ++i) gv[i] = silu_f32(gp[i]) * up[i];
     else if (a == 1)
-      for (int64_t i = 0; i < n; ++i) gv[i] = gelu_erf_f32(gv[i]) * uv[i];
+      for (int64_t i = 0; i < n; ++i) gv[i] = gelu_erf_f32(gp[i]) * up[i];
     else
-      for (int64_t i = 0; i < n; ++i) gv[i] = gelu_tanh_f32(gv[i]) * uv[i];
+      for (int64_t i = 0; i < n; ++i) gv[i] = gelu_tanh_f32(gp[i]) * up[i];
     put<D>(gv, c.outputs[0].data, oy, n, c.ints[7]);
   });
   return 0;
