@@ -48,15 +48,19 @@ inline void put(const float* src, void* base, int64_t off, int64_t n, bool nt) {
   }
 }
 
-inline double sum_f(const float* v, int64_t n) {
+// sum of term(i) over [0, n): 16 fp32 lanes within a block of kBlock
+// elements (so the loop vectorises), double across blocks (so long rows keep
+// their precision). term may also store (exp_sum_f writes the exponentials).
+template <class F>
+TENSOR_OPS_VEC_INLINE double lane_sum(int64_t n, F term) {
   double total = 0;
   for (int64_t c = 0; c < n; c += kBlock) {
     const int64_t m = min64(kBlock, n - c);
     float acc[16] = {0};
     int64_t i = 0;
     for (; i + 16 <= m; i += 16)
-      for (int j = 0; j < 16; ++j) acc[j] += v[c + i + j];
-    for (; i < m; ++i) acc[i & 15] += v[c + i];
+      for (int j = 0; j < 16; ++j) acc[j] += term(c + i + j);
+    for (; i < m; ++i) acc[i & 15] += term(c + i);
     float s = 0;
     for (int j = 0; j < 16; ++j) s += acc[j];
     total += s;
@@ -64,20 +68,27 @@ inline double sum_f(const float* v, int64_t n) {
   return total;
 }
 
+inline double sum_f(const float* v, int64_t n) {
+  return lane_sum(n, [v](int64_t i) { return v[i]; });
+}
+
 inline double dot_f(const float* a, const float* b, int64_t n) {
-  double total = 0;
-  for (int64_t c = 0; c < n; c += kBlock) {
-    const int64_t m = min64(kBlock, n - c);
-    float acc[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= m; i += 16)
-      for (int j = 0; j < 16; ++j) acc[j] += a[c + i + j] * b[c + i + j];
-    for (; i < m; ++i) acc[i & 15] += a[c + i] * b[c + i];
-    float s = 0;
-    for (int j = 0; j < 16; ++j) s += acc[j];
-    total += s;
-  }
-  return total;
+  return lane_sum(n, [a, b](int64_t i) { return a[i] * b[i]; });
+}
+
+// sum(exp(v[i] - m)).
+inline double sum_exp_f(const float* v, int64_t n, float m) {
+  return lane_sum(n, [v, m](int64_t i) { return exp_f32(v[i] - m); });
+}
+
+// v[i] = exp(v[i] - m) in place, returning their sum: one pass instead of
+// an exp pass and a sum pass.
+inline double exp_sum_f(float* v, int64_t n, float m) {
+  return lane_sum(n, [v, m](int64_t i) {
+    const float e = exp_f32(v[i] - m);
+    v[i] = e;
+    return e;
+  });
 }
 
 // max(scale * src[i]) over [0, n), storing the scaled values in v: 16 lanes so the
@@ -104,49 +115,6 @@ inline float scale_max_f(const float* src, float* v, int64_t n, float scale) {
   float m = acc[0];
   for (int j = 1; j < 16; ++j) m = acc[j] > m ? acc[j] : m;
   return nan ? __builtin_nanf("") : m;
-}
-
-// v[i] = exp(v[i] - m) in place, returning their sum (fp32 lanes per block,
-// double across blocks): one pass instead of an exp pass and a sum pass.
-inline double exp_sum_f(float* v, int64_t n, float m) {
-  double total = 0;
-  for (int64_t c = 0; c < n; c += kBlock) {
-    const int64_t len = min64(kBlock, n - c);
-    float acc[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= len; i += 16)
-      for (int j = 0; j < 16; ++j) {
-        const float e = exp_f32(v[c + i + j] - m);
-        v[c + i + j] = e;
-        acc[j] += e;
-      }
-    for (; i < len; ++i) {
-      const float e = exp_f32(v[c + i] - m);
-      v[c + i] = e;
-      acc[i & 15] += e;
-    }
-    float s = 0;
-    for (int j = 0; j < 16; ++j) s += acc[j];
-    total += s;
-  }
-  return total;
-}
-
-// sum(exp(v[i] - m)), fp32 lanes per block, double across blocks.
-inline double sum_exp_f(const float* v, int64_t n, float m) {
-  double total = 0;
-  for (int64_t c = 0; c < n; c += kBlock) {
-    const int64_t len = min64(kBlock, n - c);
-    float acc[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= len; i += 16)
-      for (int j = 0; j < 16; ++j) acc[j] += exp_f32(v[c + i + j] - m);
-    for (; i < len; ++i) acc[i & 15] += exp_f32(v[c + i] - m);
-    float s = 0;
-    for (int j = 0; j < 16; ++j) s += acc[j];
-    total += s;
-  }
-  return total;
 }
 
 // Short dot product (attention head dims): fp32 lanes, no double.
