@@ -239,7 +239,11 @@ to_status run_items(const to_op_call* call) {
   const Split sp = split_of(c);
   ThreadPool& pool = ThreadPool::instance();
   const int64_t grain = grain_for(sp.bytes_per_item);
-  int64_t chunks = std::min<int64_t>(pool.num_threads(), std::max<int64_t>(1, sp.items / grain));
+  // Over-decomposed (the pool hands chunks out dynamically); the count
+  // depends on the thread count only, so per-chunk partial sums (norm
+  // backward's dweight) reduce in the same order on every run.
+  int64_t chunks = std::min<int64_t>(int64_t(pool.num_threads()) * ThreadPool::kChunksPerThread,
+                                     std::max<int64_t>(1, sp.items / grain));
   if (sp.items == 0) chunks = 1;
   std::vector<float> scratch(size_t(chunks * sp.scratch), 0.0f);
   std::atomic<int> bad{0};

@@ -63,7 +63,21 @@ static void chunk_range(int64_t n, int64_t chunks, int64_t i, int64_t& b, int64_
   e = n * (i + 1) / chunks;
 }
 
-void ThreadPool::worker(int index, uint64_t seen) {
+// Every participant (the caller and each worker) takes chunk indices from
+// one counter until none is left: a thread that is descheduled (another
+// runtime's threads spinning on the same cores) holds up only the chunk it
+// is in, not a fixed share of the work.
+void ThreadPool::run_chunks(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int64_t chunks) {
+  for (;;) {
+    const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
+    if (i >= chunks) return;
+    int64_t b, e;
+    chunk_range(n, chunks, i, b, e);
+    fn(b, e);
+  }
+}
+
+void ThreadPool::worker(int, uint64_t seen) {
   for (;;) {
     std::unique_lock<std::mutex> lock(m_);
     start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -72,11 +86,7 @@ void ThreadPool::worker(int index, uint64_t seen) {
     const auto* fn = fn_;
     const int64_t n = n_, chunks = chunks_;
     lock.unlock();
-    if (index < chunks) {
-      int64_t b, e;
-      chunk_range(n, chunks, index, b, e);
-      (*fn)(b, e);
-    }
+    run_chunks(*fn, n, chunks);
     lock.lock();
     if (--pending_ == 0) done_cv_.notify_one();
   }
@@ -86,9 +96,10 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
   if (n <= 0) return;
   if (grain < 1) grain = 1;
   std::unique_lock<std::mutex> run(run_mutex_, std::try_to_lock);
+  const int threads = num_threads_;  // read under run_mutex_: set_num_threads holds it
   int64_t chunks = n / grain;
-  if (chunks > num_threads_) chunks = num_threads_;  // read under run_mutex_: set_num_threads holds it
-  if (chunks <= 1 || !run.owns_lock()) {
+  if (chunks > int64_t(threads) * kChunksPerThread) chunks = int64_t(threads) * kChunksPerThread;
+  if (threads <= 1 || chunks <= 1 || !run.owns_lock()) {
     fn(0, n);
     return;
   }
@@ -97,13 +108,12 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     fn_ = &fn;
     n_ = n;
     chunks_ = chunks;
+    next_.store(0, std::memory_order_relaxed);
     pending_ = int(workers_.size());
     ++generation_;
   }
   start_cv_.notify_all();
-  int64_t b, e;
-  chunk_range(n, chunks, 0, b, e);
-  fn(b, e);
+  run_chunks(fn, n, chunks);
   std::unique_lock<std::mutex> lock(m_);
   done_cv_.wait(lock, [&] { return pending_ == 0; });
 }

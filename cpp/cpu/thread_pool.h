@@ -21,8 +21,11 @@ class ThreadPool {
   // Resizes the pool (1..1024 threads) once no parallel region is running;
   // regions started afterwards use the new size.
   void set_num_threads(int threads);
-  // Calls fn(begin, end) over [0, n) split into at most num_threads() ranges
-  // of at least `grain` items each.
+  // Calls fn(begin, end) over [0, n) split into at most
+  // kChunksPerThread * num_threads() ranges of at least `grain` items each,
+  // handed out dynamically to the calling thread and the workers. The split
+  // depends only on n, grain and the thread count, never on timing.
+  static constexpr int kChunksPerThread = 8;
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
  private:
@@ -30,6 +33,7 @@ class ThreadPool {
   void start_workers();
   void stop_workers();
   void worker(int index, uint64_t seen);
+  void run_chunks(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int64_t chunks);
 
   std::atomic<int> num_threads_;
   std::vector<std::thread> workers_;
@@ -39,6 +43,7 @@ class ThreadPool {
   uint64_t generation_ = 0;
   int pending_ = 0;
   int64_t n_ = 0, chunks_ = 0;
+  std::atomic<int64_t> next_{0};  // the next chunk to hand out
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   bool stop_ = false;
 };
