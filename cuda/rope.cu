@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "common.cuh"
+#include "tensor_ops/bad_index.h"
 
 namespace tensor_ops::gpu {
 namespace {
@@ -63,7 +64,7 @@ to_status rope_typed(const to_op_call* c, cudaStream_t stream) {
   else
     run(element0<const int32_t>(pt));
   TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
-  return bad.check("a position is outside the cos/sin tables [0, " + std::to_string(P) + ")");
+  return bad.check(bad_position_message(P));
 }
 
 }  // namespace

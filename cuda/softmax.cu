@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "common.cuh"
+#include "tensor_ops/bad_index.h"
 
 namespace tensor_ops::gpu {
 namespace {
@@ -189,8 +190,7 @@ to_status cross_entropy_typed(const to_op_call* c, cudaStream_t stream) {
     return TO_OK;
   });
   if (s != TO_OK) return s;
-  return bad.check("a target is outside [0, " + std::to_string(cols) + ") and is not the ignore_index " +
-                   std::to_string(c->ints[0]));
+  return bad.check(bad_target_message(cols, c->ints[0]));
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "cl_check.h"
 #include "devices.h"
 #include "programs.h"
+#include "tensor_ops/bad_index.h"
 #include "tensor_ops/ops.h"
 
 namespace tensor_ops::opencl {
@@ -601,7 +602,7 @@ to_status run_rope(const to_op_call* c) {
   TENSOR_OPS_CL_RETURN_IF_ERROR(enqueue(*l.d, k, 2, global, local));
   cl_int bad = 0;
   TENSOR_OPS_CL_RETURN_IF_ERROR(read_flag(l, &bad));
-  if (bad) return fail(TO_ERR_INVALID_ARGUMENT, "a position is outside the cos/sin tables [0, " + std::to_string(P) + ")");
+  if (bad) return fail(TO_ERR_INVALID_ARGUMENT, bad_position_message(int64_t(P)));
   return TO_OK;
 }
 
@@ -627,9 +628,7 @@ to_status run_cross_entropy(const to_op_call* c) {
   TENSOR_OPS_CL_RETURN_IF_ERROR(enqueue_rows(l, k, N, C));
   cl_int bad = 0;
   TENSOR_OPS_CL_RETURN_IF_ERROR(read_flag(l, &bad));
-  if (bad)
-    return fail(TO_ERR_INVALID_ARGUMENT, "a target is outside [0, " + std::to_string(C) +
-                                             ") and is not the ignore_index " + std::to_string(c->ints[0]));
+  if (bad) return fail(TO_ERR_INVALID_ARGUMENT, bad_target_message(int64_t(C), c->ints[0]));
   return TO_OK;
 }
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "tensor_ops/bad_index.h"
 #include "tensor_ops/ops.h"
 #include "tensor_ops/plugin.h"
 
@@ -543,8 +544,7 @@ to_status run_rope(const to_op_call* call) {
            half, int64_t(pos.shape[0]), int32_t(pos.dtype == TO_INT64), int32_t(call->ints[0] != 0),
            int32_t(call->ints[1] != 0));
     if (flag_raised(*c.d))
-      return fail(TO_ERR_INVALID_ARGUMENT, "rope: a position is outside the cos/sin tables [0, " +
-                                               std::to_string(P) + ")");
+      return fail(TO_ERR_INVALID_ARGUMENT, "rope: " + bad_position_message(int64_t(P)));
     return c.d->check_async("rope");
   });
 }
@@ -619,8 +619,7 @@ to_status run_cross_entropy(const to_op_call* call) {
              grad ? at(call->outputs[1]) : at(lg), flag, C, int32_t(tg.dtype == TO_INT64), int64_t(call->ints[0]),
              int32_t(grad), float(call->scalars[0]));
     if (flag_raised(*c.d))
-      return fail(TO_ERR_INVALID_ARGUMENT, "cross_entropy: a target is outside [0, " + std::to_string(C) +
-                                               ") and is not the ignore_index " + std::to_string(call->ints[0]));
+      return fail(TO_ERR_INVALID_ARGUMENT, "cross_entropy: " + bad_target_message(int64_t(C), call->ints[0]));
     return c.d->check_async("cross_entropy");
   });
 }

@@ -15,6 +15,7 @@
 #endif
 
 #include "isa.h"
+#include "tensor_ops/bad_index.h"
 #include "tensor_ops/errors.h"
 #include "tensor_ops/ops.h"
 #include "thread_pool.h"
@@ -255,12 +256,11 @@ to_status run_items(const to_op_call* call) {
     if (c.ints[7]) stream_fence();  // on the thread that issued the streaming stores
   });
   if (bad == 1) {
-    last_error_text = "a position is outside the cos/sin tables [0, " + std::to_string(c.inputs[1].shape[0]) + ")";
+    last_error_text = bad_position_message(c.inputs[1].shape[0]);
     return TO_ERR_INVALID_ARGUMENT;
   }
   if (bad == 2) {
-    last_error_text = "a target is outside [0, " + std::to_string(c.inputs[0].shape[1]) +
-                      ") and is not the ignore_index " + std::to_string(c.ints[0]);
+    last_error_text = bad_target_message(c.inputs[0].shape[1], c.ints[0]);
     return TO_ERR_INVALID_ARGUMENT;
   }
   if (op == OpId::rms_norm_backward || op == OpId::layer_norm_backward) {
