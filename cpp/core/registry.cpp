@@ -243,17 +243,17 @@ Backend& Registry::require(const std::string& name) const {
   return *b;
 }
 
-bool Registry::is_external(const char* name) const {
+const std::string* Registry::find_external(const char* name) const {
   for (const std::string& e : external_)
-    if (e == name) return true;
-  return false;
+    if (e == name) return &e;
+  return nullptr;
 }
 
 const std::string* Registry::external_choice() const {
   if (external_.empty()) return nullptr;
   if (!scope_stack.empty() && scope_stack.back() != "auto") {
     const std::string& top = scope_stack.back();
-    return is_external(top.c_str()) ? &top : nullptr;
+    return find_external(top.c_str());
   }
   if (scope_stack.empty()) {  // a use("auto") scope skips set_backend()
     const int i = selected_external_.load(std::memory_order_acquire);
@@ -261,10 +261,7 @@ const std::string* Registry::external_choice() const {
     if (selected_backend_.load(std::memory_order_acquire)) return nullptr;
   }
   const char* forced = std::getenv("TENSOR_OPS_BACKEND");
-  if (forced == nullptr || !is_external(forced)) return nullptr;
-  for (const std::string& e : external_)
-    if (e == forced) return &e;
-  return nullptr;
+  return forced ? find_external(forced) : nullptr;
 }
 
 Backend& Registry::host_backend() const {
@@ -276,7 +273,7 @@ Backend& Registry::active() const {
   // A use("auto") scope skips set_backend() and falls to automatic choice;
   // a scope naming an external backend counts as "auto" here.
   const bool auto_scope =
-      !scope_stack.empty() && (scope_stack.back() == "auto" || is_external(scope_stack.back().c_str()));
+      !scope_stack.empty() && (scope_stack.back() == "auto" || find_external(scope_stack.back().c_str()));
   if (!scope_stack.empty() && !auto_scope) return require(scope_stack.back());
   if (!auto_scope) {
     if (Backend* b = selected_backend_.load(std::memory_order_acquire)) return *b;
@@ -307,10 +304,7 @@ void Registry::set_external_backends(std::vector<std::string> names) {
 }
 
 Backend& Registry::resolve_auto(const std::string& forced, const std::string& order_env) const {
-  const auto is_external = [&](const std::string& name) {
-    return std::find(external_.begin(), external_.end(), name) != external_.end();
-  };
-  if (!forced.empty() && forced != "auto" && !is_external(forced)) {
+  if (!forced.empty() && forced != "auto" && !find_external(forced.c_str())) {
     try {
       return require(forced);
     } catch (const InvalidArgument& e) {
@@ -338,10 +332,9 @@ Backend& Registry::resolve_auto(const std::string& forced, const std::string& or
 }
 
 void Registry::set_backend(const std::string& name) {
-  if (name.empty() || name == "auto" || is_external(name.c_str())) {
-    int index = -1;
-    for (size_t i = 0; i < external_.size(); ++i)
-      if (external_[i] == name) index = int(i);
+  const std::string* external = find_external(name.c_str());
+  if (name.empty() || name == "auto" || external) {
+    const int index = external ? int(external - external_.data()) : -1;
     selected_backend_.store(nullptr, std::memory_order_release);
     selected_external_.store(index, std::memory_order_release);
     return;
@@ -357,7 +350,7 @@ std::string Registry::selected_name() const {
 }
 
 void Registry::push_scope(const std::string& name) {
-  if (name != "auto" && !is_external(name.c_str())) require(name);
+  if (name != "auto" && !find_external(name.c_str())) require(name);
   scope_stack.push_back(name);
 }
 

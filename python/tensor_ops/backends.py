@@ -84,23 +84,30 @@ def devices() -> List[DeviceInfo]:
 
 def backends() -> List[BackendStatus]:
     """Every backend tensor_ops knows: compiled or not, usable or not, and why."""
-    native = [BackendStatus(**{**b, "ops": tuple(b.get("ops", ()))}) for b in _C.backends()]
-    return native + [_shim_status()]
+    native = _native_backends()
+    return native + [_shim_status(native)]
 
 
-def _shim_status() -> BackendStatus:
+def _native_backends() -> List[BackendStatus]:
+    return [BackendStatus(**{**b, "ops": tuple(b["ops"])}) for b in _C.backends()]
+
+
+def _shim_status(native: List[BackendStatus]) -> BackendStatus:
     """The XLA shim (python, jax) as a backend: it registers as "tpu" on a TPU
     host and as "xla" elsewhere; it has every op (ops are listed by kernel name,
-    as the native backends' are)."""
-    kernel_ops = next((b["ops"] for b in _C.backends() if b["name"] == "cpu"), ())
-    return BackendStatus(**_xla.backend_status(), ops=tuple(kernel_ops))
+    as the native backends' are: the CPU backend has them all)."""
+    kernel_ops = next((b.ops for b in native if b.name == "cpu"), ())
+    return BackendStatus(**_xla.backend_status(), ops=kernel_ops)
 
 
-def _require_shim(name: str) -> None:
-    status = _shim_status()
+def _require_shim(name: str) -> BackendStatus:
+    """The shim's status; raises when it cannot run."""
+    native = _native_backends()
+    status = _shim_status(native)
     if not status.usable:
-        usable = ", ".join(b.name for b in backends() if b.usable)
+        usable = ", ".join(b.name for b in native if b.usable)
         raise BackendUnavailableError(f"backend '{name}' is not usable: {status.reason} (usable backends: {usable})")
+    return status
 
 
 def get_backend() -> str:
@@ -108,8 +115,7 @@ def get_backend() -> str:
     e.g. TENSOR_OPS_BACKEND, names a backend that cannot run)."""
     name = _C.selected_backend()
     if _route.is_name(name):
-        _require_shim(name)
-        return _shim_status().name
+        return _require_shim(name).name
     return name
 
 

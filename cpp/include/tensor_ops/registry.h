@@ -99,7 +99,7 @@ class Registry {
   std::vector<std::unique_ptr<Backend>> backends_;
   std::vector<BackendStatus> missing_;  // known names with no plugin
   std::vector<std::string> external_;   // set_external_backends (set once, at import)
-  bool is_external(const char* name) const;
+  const std::string* find_external(const char* name) const;  // the entry, or nullptr
   std::atomic<Backend*> selected_backend_{nullptr};  // set_backend(); nullptr = auto
   std::atomic<int> selected_external_{-1};           // set_backend() of external_[i]
   std::atomic<uint64_t> generation_{1};              // bumped when plugins load
