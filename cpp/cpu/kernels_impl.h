@@ -44,6 +44,136 @@ inline void stream_fence() {
 #endif
 }
 
+// ---- vf rows ----------------------------------------------------------------
+
+TENSOR_OPS_VEC_INLINE vf vload(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+TENSOR_OPS_VEC_INLINE void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// Streaming store of a whole register; p is aligned to sizeof(vf).
+TENSOR_OPS_VEC_INLINE void vstream(float* p, vf v) {
+#if defined(__AVX512F__)
+  _mm512_stream_ps(p, (__m512)v);
+#elif defined(__AVX__)
+  _mm256_stream_ps(p, (__m256)v);
+#elif defined(TENSOR_OPS_HAVE_STREAM)
+  _mm_stream_ps(p, (__m128)v);
+#else
+  vstore(p, v);
+#endif
+}
+
+TENSOR_OPS_VEC_INLINE float hsum(vf v) {
+  float s = 0;
+  for (int j = 0; j < kVW; ++j) s += v[j];
+  return s;
+}
+
+// How a row function reads and writes its lanes at index i: Full, a whole
+// register; Part, the first n lanes (the row's head or tail), the others
+// zero on load and left alone on store. keep() sets the unused lanes of a
+// result to fill, so they drop out of reductions.
+struct Full {
+  TENSOR_OPS_VEC_INLINE vf ld(const float* p) const { return vload(p); }
+  TENSOR_OPS_VEC_INLINE void st(float* p, vf v) const { vstore(p, v); }
+  TENSOR_OPS_VEC_INLINE vf keep(vf v, float) const { return v; }
+};
+struct Part {
+  int n;
+  TENSOR_OPS_VEC_INLINE vf ld(const float* p) const {
+    vf v = {};
+    __builtin_memcpy(&v, p, size_t(n) * 4);
+    return v;
+  }
+  TENSOR_OPS_VEC_INLINE void st(float* p, vf v) const { __builtin_memcpy(p, &v, size_t(n) * 4); }
+  TENSOR_OPS_VEC_INLINE vf keep(vf v, float fill) const {
+    vf r = splat<vf>(fill);
+    for (int j = 0; j < n; ++j) r[j] = v[j];
+    return r;
+  }
+};
+
+// dst[i..] = f(i, access) for [0, n), a register at a time, written from
+// registers (no staging buffer). nt: streaming stores, with the body aligned
+// for them (dst holds floats, so it is 4-byte aligned).
+template <class F>
+TENSOR_OPS_VEC_INLINE void vmap(float* dst, int64_t n, bool nt, F f) {
+  int64_t i = 0;
+#ifdef TENSOR_OPS_HAVE_STREAM
+  if (nt) {
+    const int64_t mis = int64_t(reinterpret_cast<uintptr_t>(dst) / 4) % kVW;
+    if (mis && n > 0) {
+      const Part a{int(min64(n, kVW - mis))};
+      a.st(dst, f(int64_t(0), a));
+      i = a.n;
+    }
+    for (; i + kVW <= n; i += kVW) vstream(dst + i, f(i, Full{}));
+  }
+#endif
+  for (; i + kVW <= n; i += kVW) vstore(dst + i, f(i, Full{}));
+  if (i < n) {
+    const Part a{int(n - i)};
+    a.st(dst + i, f(i, a));
+  }
+}
+
+// Sum of f(i, access) over [0, n): fp32 lanes within a block of kBlock
+// elements, double across blocks (long rows keep their precision).
+template <class F>
+TENSOR_OPS_VEC_INLINE double vsum(int64_t n, F f) {
+  double total = 0;
+  for (int64_t c = 0; c < n; c += kBlock) {
+    const int64_t e = min64(c + kBlock, n);
+    vf a0 = {}, a1 = {};
+    int64_t i = c;
+    for (; i + 2 * kVW <= e; i += 2 * kVW) {
+      a0 += f(i, Full{});
+      a1 += f(i + kVW, Full{});
+    }
+    for (; i + kVW <= e; i += kVW) a0 += f(i, Full{});
+    if (i < e) {
+      const Part a{int(e - i)};
+      a1 += a.keep(f(i, a), 0.0f);
+    }
+    total += double(hsum(a0 + a1));
+  }
+  return total;
+}
+
+// Max of f(i, access) over [0, n) (-inf when empty). NaN lanes are skipped
+// (callers that need NaN to propagate get it from later arithmetic).
+template <class F>
+TENSOR_OPS_VEC_INLINE float vmax(int64_t n, F f) {
+  vf m0 = splat<vf>(-__builtin_inff()), m1 = m0;
+  int64_t i = 0;
+  for (; i + 2 * kVW <= n; i += 2 * kVW) {
+    const vf a = f(i, Full{}), b = f(i + kVW, Full{});
+    m0 = a > m0 ? a : m0;
+    m1 = b > m1 ? b : m1;
+  }
+  for (; i + kVW <= n; i += kVW) {
+    const vf a = f(i, Full{});
+    m0 = a > m0 ? a : m0;
+  }
+  if (i < n) {
+    const Part p{int(n - i)};
+    const vf a = p.keep(f(i, p), -__builtin_inff());
+    m1 = a > m1 ? a : m1;
+  }
+  m0 = m1 > m0 ? m1 : m0;
+  float r = m0[0];
+  for (int j = 1; j < kVW; ++j) r = m0[j] > r ? m0[j] : r;
+  return r;
+}
+
+// Software prefetch of the cache line holding p (the next row, while the
+// current one is computed from cache, so memory is never idle).
+TENSOR_OPS_VEC_INLINE void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
 // Storage <-> fp32 for n contiguous elements.
 template <DType D>
 inline void load_f32(const void* src, float* dst, int64_t n) {
@@ -83,19 +213,6 @@ inline void store_f32(const float* src, void* dst, int64_t n) {
   }
 }
 
-// Sum of squares with 16 independent lanes (vectorises, and keeps the fp32
-// rounding error small); blocks are added up in double by the caller.
-inline float sum_squares(const float* v, int64_t n) {
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += v[i + j] * v[i + j];
-  for (; i < n; ++i) acc[i & 15] += v[i] * v[i];
-  float s = 0;
-  for (int j = 0; j < 16; ++j) s += acc[j];
-  return s;
-}
-
 template <DType D>
 void rms_norm_t(const void* x, int64_t xs, const float* w, void* y, int64_t ys, int64_t r0, int64_t r1,
                 int64_t cols, float eps, bool nt) {
@@ -105,36 +222,36 @@ void rms_norm_t(const void* x, int64_t xs, const float* w, void* y, int64_t ys, 
   for (int64_t r = r0; r < r1; ++r) {
     const char* xr = static_cast<const char*>(x) + r * xs * item;
     char* yr = static_cast<char*>(y) + r * ys * item;
+    if constexpr (D == DType::Float32) {
+      // Two passes over x (the second from cache), y written from registers.
+      const float* v = reinterpret_cast<const float*>(xr);
+      const double total = vsum(cols, [&](int64_t i, auto a) {
+        const vf t = a.ld(v + i);
+        return t * t;
+      });
+      const float scale = float(1.0 / __builtin_sqrt(total / double(cols) + double(eps)));
+      vmap(reinterpret_cast<float*>(yr), cols, nt, [&](int64_t i, auto a) { return a.ld(v + i) * scale * a.ld(w + i); });
+      continue;
+    }
     double total = 0;
     for (int64_t c = 0; c < cols; c += kBlock) {
       const int64_t n = min64(kBlock, cols - c);
-      const float* v;
-      if constexpr (D == DType::Float32) {
-        v = reinterpret_cast<const float*>(xr) + c;
-      } else {
-        load_f32<D>(xr + c * item, buf, n);
-        v = buf;
-      }
-      total += double(sum_squares(v, n));
+      load_f32<D>(xr + c * item, buf, n);
+      total += vsum(n, [&](int64_t i, auto a) {
+        const vf t = a.ld(buf + i);
+        return t * t;
+      });
     }
     const float scale = float(1.0 / __builtin_sqrt(total / double(cols) + double(eps)));
     for (int64_t c = 0; c < cols; c += kBlock) {
       const int64_t n = min64(kBlock, cols - c);
-      const float* wc = w + c;
-      if constexpr (D == DType::Float32) {
-        const float* v = reinterpret_cast<const float*>(xr) + c;
-        float* o = nt ? buf : reinterpret_cast<float*>(yr) + c;
-        for (int64_t i = 0; i < n; ++i) o[i] = v[i] * scale * wc[i];
-        if (nt) stream_copy(buf, yr + c * item, n * item);
+      load_f32<D>(xr + c * item, buf, n);
+      vmap(buf, n, false, [&](int64_t i, auto a) { return a.ld(buf + i) * scale * a.ld(w + c + i); });
+      if (nt) {
+        store_f32<D>(buf, half_buf, n);
+        stream_copy(half_buf, yr + c * item, n * item);
       } else {
-        load_f32<D>(xr + c * item, buf, n);
-        for (int64_t i = 0; i < n; ++i) buf[i] = buf[i] * scale * wc[i];
-        if (nt) {
-          store_f32<D>(buf, half_buf, n);
-          stream_copy(half_buf, yr + c * item, n * item);
-        } else {
-          store_f32<D>(buf, yr + c * item, n);
-        }
+        store_f32<D>(buf, yr + c * item, n);
       }
     }
   }
@@ -144,10 +261,9 @@ void rms_norm_t(const void* x, int64_t xs, const float* w, void* y, int64_t ys, 
 template <DType D, class F>
 inline void map_span(const void* x, void* y, int64_t n, F f, bool nt) {
   constexpr int64_t item = D == DType::Float32 ? 4 : 2;
-  if (D == DType::Float32 && !nt) {
+  if constexpr (D == DType::Float32) {
     const float* xs = static_cast<const float*>(x);
-    float* ys = static_cast<float*>(y);
-    for (int64_t i = 0; i < n; ++i) ys[i] = f(xs[i]);
+    vmap(static_cast<float*>(y), n, nt, [&](int64_t i, auto a) { return f(a.ld(xs + i)); });
     return;
   }
   alignas(64) float buf[kBlock];
@@ -155,31 +271,34 @@ inline void map_span(const void* x, void* y, int64_t n, F f, bool nt) {
   for (int64_t c = 0; c < n; c += kBlock) {
     const int64_t m = min64(kBlock, n - c);
     char* dst = static_cast<char*>(y) + c * item;
-    if constexpr (D == DType::Float32) {
-      const float* xs = static_cast<const float*>(x) + c;
-      for (int64_t i = 0; i < m; ++i) buf[i] = f(xs[i]);
-      stream_copy(buf, dst, m * item);
+    load_f32<D>(static_cast<const uint16_t*>(x) + c, buf, m);
+    vmap(buf, m, false, [&](int64_t i, auto a) { return f(a.ld(buf + i)); });
+    if (nt) {
+      store_f32<D>(buf, half_buf, m);
+      stream_copy(half_buf, dst, m * item);
     } else {
-      load_f32<D>(static_cast<const uint16_t*>(x) + c, buf, m);
-      for (int64_t i = 0; i < m; ++i) buf[i] = f(buf[i]);
-      if (nt) {
-        store_f32<D>(buf, half_buf, m);
-        stream_copy(half_buf, dst, m * item);
-      } else {
-        store_f32<D>(buf, dst, m);
-      }
+      store_f32<D>(buf, dst, m);
     }
   }
 }
 
 struct Silu {
-  float operator()(float v) const { return silu_f32(v); }
+  template <class T>
+  TENSOR_OPS_VEC_INLINE T operator()(T v) const {
+    return silu_t(v);
+  }
 };
 struct GeluErf {
-  float operator()(float v) const { return gelu_erf_f32(v); }
+  template <class T>
+  TENSOR_OPS_VEC_INLINE T operator()(T v) const {
+    return gelu_erf_t(v);
+  }
 };
 struct GeluTanh {
-  float operator()(float v) const { return gelu_tanh_f32(v); }
+  template <class T>
+  TENSOR_OPS_VEC_INLINE T operator()(T v) const {
+    return gelu_tanh_t(v);
+  }
 };
 
 template <class F>

@@ -48,73 +48,41 @@ inline void put(const float* src, void* base, int64_t off, int64_t n, bool nt) {
   }
 }
 
-// sum of term(i) over [0, n): 16 fp32 lanes within a block of kBlock
-// elements (so the loop vectorises), double across blocks (so long rows keep
-// their precision). term may also store (exp_sum_f writes the exponentials).
-template <class F>
-TENSOR_OPS_VEC_INLINE double lane_sum(int64_t n, F term) {
-  double total = 0;
-  for (int64_t c = 0; c < n; c += kBlock) {
-    const int64_t m = min64(kBlock, n - c);
-    float acc[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= m; i += 16)
-      for (int j = 0; j < 16; ++j) acc[j] += term(c + i + j);
-    for (; i < m; ++i) acc[i & 15] += term(c + i);
-    float s = 0;
-    for (int j = 0; j < 16; ++j) s += acc[j];
-    total += s;
-  }
-  return total;
-}
-
 inline double sum_f(const float* v, int64_t n) {
-  return lane_sum(n, [v](int64_t i) { return v[i]; });
+  return vsum(n, [v](int64_t i, auto a) { return a.ld(v + i); });
 }
 
-inline double dot_f(const float* a, const float* b, int64_t n) {
-  return lane_sum(n, [a, b](int64_t i) { return a[i] * b[i]; });
+inline double dot_f(const float* x, const float* y, int64_t n) {
+  return vsum(n, [x, y](int64_t i, auto a) { return a.ld(x + i) * a.ld(y + i); });
 }
 
 // sum(exp(v[i] - m)).
 inline double sum_exp_f(const float* v, int64_t n, float m) {
-  return lane_sum(n, [v, m](int64_t i) { return exp_f32(v[i] - m); });
+  return vsum(n, [v, m](int64_t i, auto a) { return exp_t(a.ld(v + i) - m); });
 }
 
-// v[i] = exp(v[i] - m) in place, returning their sum: one pass instead of
-// an exp pass and a sum pass.
-inline double exp_sum_f(float* v, int64_t n, float m) {
-  return lane_sum(n, [v, m](int64_t i) {
-    const float e = exp_f32(v[i] - m);
-    v[i] = e;
-    return e;
-  });
-}
-
-// max(scale * src[i]) over [0, n), storing the scaled values in v: 16 lanes so the
-// loop vectorises (a single running max is a serial chain). NaN propagates
-// (a NaN lane stays NaN: `a > m ? a : m` keeps m, so NaN is checked apart).
-inline float scale_max_f(const float* src, float* v, int64_t n, float scale) {
-  float acc[16];
-  for (int j = 0; j < 16; ++j) acc[j] = -__builtin_inff();
-  int nan = 0;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) {
-      const float a = src[i + j] * scale;
-      v[i + j] = a;
-      acc[j] = a > acc[j] ? a : acc[j];
-      nan |= a != a;
-    }
-  for (; i < n; ++i) {
-    const float a = src[i] * scale;
-    v[i] = a;
-    acc[i & 15] = a > acc[i & 15] ? a : acc[i & 15];
-    nan |= a != a;
+// A row of a D tensor as fp32: float32 in place, 16-bit widened into tmp.
+template <DType D>
+TENSOR_OPS_VEC_INLINE const float* src_row(const to_tensor& t, int64_t off, int64_t n, float* tmp) {
+  if constexpr (D == DType::Float32) {
+    return static_cast<const float*>(t.data) + off;
+  } else {
+    ld<D>(t.data, off, n, tmp);
+    return tmp;
   }
-  float m = acc[0];
-  for (int j = 1; j < 16; ++j) m = acc[j] > m ? acc[j] : m;
-  return nan ? __builtin_nanf("") : m;
+}
+
+// Writes the fp32 values f(i, access) to [off, off + n) of a D tensor:
+// float32 straight from registers, 16-bit through tmp (then narrowed). tmp
+// may be the row f reads (each register is read before it is written).
+template <DType D, class F>
+TENSOR_OPS_VEC_INLINE void emit(void* base, int64_t off, int64_t n, bool nt, float* tmp, F f) {
+  if constexpr (D == DType::Float32) {
+    vmap(static_cast<float*>(base) + off, n, nt, f);
+  } else {
+    vmap(tmp, n, false, f);
+    put<D>(tmp, base, off, n, nt);
+  }
 }
 
 // Short dot product (attention head dims): fp32 lanes, no double.
@@ -145,13 +113,17 @@ int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
     for (int64_t i = 0; i < cols; ++i) bf[i] = 0;
   const float eps = float(c.scalars[0]);
   for (int64_t r = r0; r < r1; ++r) {
-    ld<D>(x.data, r * x.strides[0], cols, buf);
-    const float mean = float(sum_f(buf, cols) / double(cols));
-    for (int64_t i = 0; i < cols; ++i) buf[i] -= mean;
-    const double var = dot_f(buf, buf, cols) / double(cols);
+    // Three passes over the row (the last two from cache); y from registers.
+    const float* xr = src_row<D>(x, r * x.strides[0], cols, buf);
+    const float mean = float(sum_f(xr, cols) / double(cols));
+    const double var = vsum(cols, [&](int64_t i, auto a) {
+                         const vf d = a.ld(xr + i) - mean;
+                         return d * d;
+                       }) /
+                       double(cols);
     const float rstd = float(1.0 / __builtin_sqrt(var + double(eps)));
-    for (int64_t i = 0; i < cols; ++i) buf[i] = buf[i] * rstd * wf[i] + bf[i];
-    put<D>(buf, y.data, r * y.strides[0], cols, c.ints[7]);
+    emit<D>(y.data, r * y.strides[0], cols, c.ints[7], buf,
+            [&](int64_t i, auto a) { return (a.ld(xr + i) - mean) * rstd * a.ld(wf + i) + a.ld(bf + i); });
   }
   return 0;
 }
@@ -189,7 +161,7 @@ int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
   return 0;
 }
 
-// scratch: row | weight
+// scratch: row | weight | tmp
 template <DType D>
 int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &x = c.inputs[0], &res = c.inputs[1], &w = c.inputs[2], &y = c.outputs[0],
@@ -200,10 +172,19 @@ int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) 
   const double eps = c.scalars[0];
   const bool nt = c.ints[7];
   for (int64_t r = r0; r < r1; ++r) {
-    ld<D>(x.data, r * x.strides[0], cols, a);
-    ld<D>(res.data, r * res.strides[0], cols, b);
-    for (int64_t i = 0; i < cols; ++i) a[i] += b[i];
-    if constexpr (D != DType::Float32) {
+    double ss;
+    if constexpr (D == DType::Float32) {
+      // One pass over x and residual: their sum kept in a, squares summed.
+      const float *xr = src_row<D>(x, r * x.strides[0], cols, a), *rr = src_row<D>(res, r * res.strides[0], cols, b);
+      ss = vsum(cols, [&](int64_t i, auto p) {
+        const vf s = p.ld(xr + i) + p.ld(rr + i);
+        p.st(a + i, s);
+        return s * s;
+      });
+    } else {
+      ld<D>(x.data, r * x.strides[0], cols, a);
+      ld<D>(res.data, r * res.strides[0], cols, b);
+      for (int64_t i = 0; i < cols; ++i) a[i] += b[i];
       // Normalise the residual as stored: round it in place first.
       alignas(64) uint16_t tmp[kBlock];
       for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
@@ -211,11 +192,12 @@ int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) 
         store_f32<D>(a + c0, tmp, m);
         load_f32<D>(tmp, a + c0, m);
       }
+      ss = dot_f(a, a, cols);
     }
-    put<D>(a, ro.data, r * ro.strides[0], cols, nt);
-    const float scale = float(1.0 / __builtin_sqrt(dot_f(a, a, cols) / double(cols) + eps));
-    for (int64_t i = 0; i < cols; ++i) a[i] = a[i] * scale * wf[i];
-    put<D>(a, y.data, r * y.strides[0], cols, nt);
+    emit<D>(ro.data, r * ro.strides[0], cols, nt, b, [&](int64_t i, auto p) { return p.ld(a + i); });
+    const float scale = float(1.0 / __builtin_sqrt(ss / double(cols) + eps));
+    emit<D>(y.data, r * y.strides[0], cols, nt, b,
+            [&](int64_t i, auto p) { return p.ld(a + i) * scale * p.ld(wf + i); });
   }
   return 0;
 }
@@ -227,9 +209,10 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &x = c.inputs[0], &y = c.outputs[0];
   const int64_t cols = x.shape[1];
   const float scale = float(c.scalars[0]);
-  const bool causal = c.ints[0], log = c.ints[1];
+  const bool causal = c.ints[0], log = c.ints[1], nt = c.ints[7];
   const int64_t lq = c.ints[2] > 0 ? c.ints[2] : 1;
-  const float ninf = -__builtin_inff();
+  const float masked = log ? -__builtin_inff() : 0.0f;
+  constexpr int64_t item = D == DType::Float32 ? 4 : 2;
   float* v = scratch;
   for (int64_t r = r0; r < r1; ++r) {
     int64_t valid = cols;
@@ -238,30 +221,32 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
       valid = i + cols - lq + 1;
       valid = valid < 0 ? 0 : (valid > cols ? cols : valid);
     }
-    // float32: scaled straight from x into v (one pass: load, scale, max).
-    const float* src = v;
-    if constexpr (D == DType::Float32) src = reinterpret_cast<const float*>(row_ptr(x)) + r * x.strides[0];
-    else ld<D>(x.data, r * x.strides[0], valid, v);
-    const float m = scale_max_f(src, v, valid, scale);
-    if (valid == 0) {
-      for (int64_t j = 0; j < cols; ++j) v[j] = log ? ninf : 0.0f;
-    } else {
-      double sum = 0;
-      if (log) {
-        sum = sum_exp_f(v, valid, m);
-        // (v - m) - log(sum), not v - (m + log(sum)): near the float limit
-        // m + log(sum) rounds log(sum) away.
-        const float ls = float(__builtin_log(sum));
-        for (int64_t j = 0; j < valid; ++j) v[j] = (v[j] - m) - ls;
-        for (int64_t j = valid; j < cols; ++j) v[j] = ninf;
-      } else {
-        sum = exp_sum_f(v, valid, m);
-        const float inv = float(1.0 / sum);
-        for (int64_t j = 0; j < valid; ++j) v[j] *= inv;
-        for (int64_t j = valid; j < cols; ++j) v[j] = 0.0f;
-      }
+    const int64_t off = r * y.strides[0];
+    // Pass 1 reads x (float32 in place); the others find the row in cache.
+    // A NaN in x is skipped by the max but propagates through the sum.
+    const float* xr = src_row<D>(x, r * x.strides[0], valid, v);
+    const float m = vmax(valid, [&](int64_t i, auto a) { return a.ld(xr + i) * scale; });
+    if (valid > 0 && log) {
+      const double sum = vsum(valid, [&](int64_t i, auto a) { return exp_t(a.ld(xr + i) * scale - m); });
+      // (v - m) - log(sum), not v - (m + log(sum)): near the float limit
+      // m + log(sum) rounds log(sum) away.
+      const float ls = float(__builtin_log(sum));
+      emit<D>(y.data, off, valid, nt, v, [&](int64_t i, auto a) { return (a.ld(xr + i) * scale - m) - ls; });
+    } else if (valid > 0) {
+      // v = exp(scale x - m) and its sum in one pass (compute-bound: the
+      // next row is prefetched meanwhile); y = v / sum from registers.
+      const char* next = r + 1 < r1 ? static_cast<const char*>(x.data) + (r + 1) * x.strides[0] * item : nullptr;
+      const double sum = vsum(valid, [&](int64_t i, auto a) {
+        if (next) prefetch(next + i * item);
+        const vf e = exp_t(a.ld(xr + i) * scale - m);
+        a.st(v + i, e);
+        return e;
+      });
+      const float inv = float(1.0 / sum);
+      emit<D>(y.data, off, valid, nt, v, [&](int64_t i, auto a) { return a.ld(v + i) * inv; });
     }
-    put<D>(v, y.data, r * y.strides[0], cols, c.ints[7]);
+    if (valid < cols)
+      emit<D>(y.data, off + valid, cols - valid, nt, v + valid, [&](int64_t, auto) { return splat<vf>(masked); });
   }
   return 0;
 }
@@ -293,10 +278,17 @@ int softmax_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scrat
 TENSOR_OPS_VEC_INLINE float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
 
 // The activation is a template argument so the per-element loops carry no
-// branch and vectorise.
+// branch and vectorise; T is float or vf.
+template <int A, class T>
+TENSOR_OPS_VEC_INLINE T act_t(T x) {
+  if constexpr (A == 0) return silu_t(x);
+  else if constexpr (A == 1) return gelu_erf_t(x);
+  else return gelu_tanh_t(x);
+}
+
 template <int A>
 TENSOR_OPS_VEC_INLINE float act_f32(float x) {
-  return A == 0 ? silu_f32(x) : (A == 1 ? gelu_erf_f32(x) : gelu_tanh_f32(x));
+  return act_t<A>(x);
 }
 
 // d act / dx
@@ -363,9 +355,9 @@ int glu_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
   const int64_t a = c.ints[0];
   alignas(64) float gv[kBlock], uv[kBlock];
   for_spans(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t n) {
-    // float32 is read in place (no copy into the block buffers); 16-bit
-    // inputs are widened first. The result goes to gv, then out (which may
-    // be gate or up itself).
+    // float32 is read in place and written from registers; 16-bit inputs
+    // are widened into the block buffers first. out may be gate or up
+    // itself (each register is read before it is written).
     const float *gp = gv, *up = uv;
     if constexpr (D == DType::Float32) {
       gp = static_cast<const float*>(c.inputs[0].data) + o0;
@@ -374,13 +366,10 @@ int glu_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
       ld<D>(c.inputs[0].data, o0, n, gv);
       ld<D>(c.inputs[1].data, o1, n, uv);
     }
-    if (a == 0)
-      for (int64_t i = 0; i < n; ++i) gv[i] = silu_f32(gp[i]) * up[i];
-    else if (a == 1)
-      for (int64_t i = 0; i < n; ++i) gv[i] = gelu_erf_f32(gp[i]) * up[i];
-    else
-      for (int64_t i = 0; i < n; ++i) gv[i] = gelu_tanh_f32(gp[i]) * up[i];
-    put<D>(gv, c.outputs[0].data, oy, n, c.ints[7]);
+    with_activation(a, [&](auto A) {
+      emit<D>(c.outputs[0].data, oy, n, c.ints[7], gv,
+              [&](int64_t i, auto p) { return act_t<decltype(A)::value>(p.ld(gp + i)) * p.ld(up + i); });
+    });
   });
   return 0;
 }

@@ -13,57 +13,102 @@
 TENSOR_OPS_VEC_INLINE float bits_to_f32(uint32_t u) { return __builtin_bit_cast(float, u); }
 TENSOR_OPS_VEC_INLINE uint32_t f32_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
 
-TENSOR_OPS_VEC_INLINE float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+// One SIMD register of fp32 lanes for this ISA level (GCC/Clang vector
+// extensions: the same source is 4, 8 or 16 lanes wide). The math below is
+// written once as templates over T = float or vf, so the tail of a row goes
+// through the same instructions as its body (bit-identical lanes).
+#if defined(__AVX512F__)
+constexpr int kVW = 16;
+#elif defined(__AVX__)
+constexpr int kVW = 8;
+#else
+constexpr int kVW = 4;
+#endif
+typedef float vf __attribute__((vector_size(kVW * 4)));
+typedef uint32_t vu __attribute__((vector_size(kVW * 4)));
+
+TENSOR_OPS_VEC_INLINE uint32_t as_bits(float f) { return f32_to_bits(f); }
+TENSOR_OPS_VEC_INLINE float from_bits(uint32_t u) { return bits_to_f32(u); }
+TENSOR_OPS_VEC_INLINE vu as_bits(vf f) { return (vu)f; }
+TENSOR_OPS_VEC_INLINE vf from_bits(vu u) { return (vf)u; }
+
+// c broadcast to T (a scalar stays a scalar).
+template <class T>
+TENSOR_OPS_VEC_INLINE T splat(float c) {
+  return T{} + c;
+}
+
+template <class T>
+TENSOR_OPS_VEC_INLINE T abs_t(T x) {
+  return from_bits(as_bits(x) & 0x7fffffffu);
+}
 
 // e^x, ~1 ulp on [-87.3, 88.3] (Cephes expf); inputs outside are clamped,
 // NaN stays NaN. The integer exponent is read from the bits of the rounding
 // sum rather than by a float-to-int conversion (undefined for NaN), and the
-// whole body stays select-only so the calling loops vectorise.
-TENSOR_OPS_VEC_INLINE float exp_f32(float x) {
-  float xc = clampf(x, -87.3f, 88.3f);
-  xc = x != x ? x : xc;
-  const float t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
-  const float n = t - 12582912.0f;
-  float r = xc - n * 0.693359375f;
+// whole body is select-only, so it runs on vf lanes as well as scalars.
+template <class T>
+TENSOR_OPS_VEC_INLINE T exp_t(T x) {
+  // max then min, each in the operand order that hands a NaN x through
+  // (maxps/minps return their second operand when either is NaN).
+  const T lo = splat<T>(-87.3f), hi = splat<T>(88.3f);
+  T xc = lo > x ? lo : x;
+  xc = hi < xc ? hi : xc;
+  const T t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
+  const T n = t - 12582912.0f;
+  T r = xc - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  T p = splat<T>(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const uint32_t ni = f32_to_bits(t) - 0x4B400000u;  // n, two's complement in the low bits
-  return p * bits_to_f32((ni + 127u) << 23);
+  const auto ni = as_bits(t) - 0x4B400000u;  // n, two's complement in the low bits
+  return p * from_bits((ni + 127u) << 23);
 }
 
-TENSOR_OPS_VEC_INLINE float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
+template <class T>
+TENSOR_OPS_VEC_INLINE T silu_t(T x) {
+  return x / (1.0f + exp_t(-x));
+}
 
 // erfc via Numerical Recipes' erfcc (fractional error < 1.2e-7 everywhere),
 // so gelu keeps its relative accuracy in the negative tail too.
-TENSOR_OPS_VEC_INLINE float erfc_f32(float t) {
-  const float z = __builtin_fabsf(t);
-  const float u = 1.0f / (1.0f + 0.5f * z);
+template <class T>
+TENSOR_OPS_VEC_INLINE T erfc_t(T t) {
+  const T z = abs_t(t);
+  const T u = 1.0f / (1.0f + 0.5f * z);
   // The degree-9 polynomial by Estrin's scheme: 4 dependent FMA levels
   // instead of Horner's 9 (the loop is latency-bound, not port-bound).
-  const float u2 = u * u, u4 = u2 * u2, u8 = u4 * u4;
-  const float a0 = 1.00002368f * u - 1.26551223f, a1 = 0.09678418f * u + 0.37409196f;
-  const float a2 = 0.27886807f * u - 0.18628806f, a3 = 1.48851587f * u - 1.13520398f;
-  const float a4 = 0.17087277f * u - 0.82215223f;
-  const float p = (a0 + a1 * u2) + (a2 + a3 * u2) * u4 + a4 * u8;
-  const float ans = u * exp_f32(p - z * z);
-  // erfc(-z) = 2 - erfc(z), written without a branch so the loop vectorises
-  const float neg = float(t < 0);
-  return ans + neg * (2.0f - 2.0f * ans);
+  const T u2 = u * u, u4 = u2 * u2, u8 = u4 * u4;
+  const T a0 = 1.00002368f * u - 1.26551223f, a1 = 0.09678418f * u + 0.37409196f;
+  const T a2 = 0.27886807f * u - 0.18628806f, a3 = 1.48851587f * u - 1.13520398f;
+  const T a4 = 0.17087277f * u - 0.82215223f;
+  const T p = (a0 + a1 * u2) + (a2 + a3 * u2) * u4 + a4 * u8;
+  const T ans = u * exp_t(p - z * z);
+  // erfc(-z) = 2 - erfc(z), as a select so the lanes stay branch-free
+  return t < splat<T>(0.0f) ? 2.0f - ans : ans;
 }
 
-TENSOR_OPS_VEC_INLINE float gelu_erf_f32(float x) { return 0.5f * x * erfc_f32(x * -0.70710678118654752f); }
+template <class T>
+TENSOR_OPS_VEC_INLINE T gelu_erf_t(T x) {
+  return 0.5f * x * erfc_t(x * -0.70710678118654752f);
+}
 
 // 0.5 x (1 + tanh(u)) == x * sigmoid(2u): no cancellation for small u.
-TENSOR_OPS_VEC_INLINE float gelu_tanh_f32(float x) {
-  const float u = 0.79788456080286536f * (x + 0.044715f * x * x * x);
-  return x / (1.0f + exp_f32(-2.0f * u));
+template <class T>
+TENSOR_OPS_VEC_INLINE T gelu_tanh_t(T x) {
+  const T u = 0.79788456080286536f * (x + 0.044715f * x * x * x);
+  return x / (1.0f + exp_t(-2.0f * u));
 }
+
+TENSOR_OPS_VEC_INLINE float exp_f32(float x) { return exp_t(x); }
+TENSOR_OPS_VEC_INLINE float silu_f32(float x) { return silu_t(x); }
+TENSOR_OPS_VEC_INLINE float erfc_f32(float x) { return erfc_t(x); }
+TENSOR_OPS_VEC_INLINE float gelu_erf_f32(float x) { return gelu_erf_t(x); }
+TENSOR_OPS_VEC_INLINE float gelu_tanh_f32(float x) { return gelu_tanh_t(x); }
 
 TENSOR_OPS_VEC_INLINE float bf16_bits_to_f32(uint16_t h) { return bits_to_f32(uint32_t(h) << 16); }
 
