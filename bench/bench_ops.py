@@ -64,6 +64,12 @@ PLAIN_OPS = ("rms_norm", "silu", "add_rms_norm", "softmax")
 FUSED_OPS = ("rms_norm", "add_rms_norm", "swiglu", "softmax")
 GOAL_PCT_TRIAD, GOAL_VS_COMPILE, GOAL_VS_EAGER = 90.0, 1.0, 2.0
 SAMPLE_S = 2e-3  # fast calls are looped so that one sample lasts about this long
+# Idle time before each sample (--gap-ms). torch's OpenMP (libgomp) workers
+# spin for a few ms after every torch call; on 2 cores that takes a core from
+# whatever runs next (measured here: tensor_ops rms_norm 4096x4096 6.4 ms right
+# after a torch call, 5.1 ms after a 10 ms pause). A gap lets every sample
+# start on an idle machine; --gap-ms 0 times back to back.
+GAP_MS = 20.0
 CHECK_ELEMENTS = 1 << 21  # rows sampled for the correctness check of big outputs
 IMPLS = ("tensor_ops", "tensor_ops plain", "numpy", "torch eager", "torch eager plain", "torch.compile")
 TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 4e-2}  # rtol = atol
@@ -107,7 +113,7 @@ def summarize(samples: List[float]) -> Dict[str, float]:
             "min_s": min(samples), "max_s": max(samples)}
 
 
-def measure_triad(threads: int, reps: int) -> Dict[str, object]:
+def measure_triad(threads: int, reps: int, gap_s: float = GAP_MS / 1e3) -> Dict[str, object]:
     """STREAM triad a = b + s*c. Bytes count the 3 arrays as STREAM does (the
     write-allocate read of a is not counted)."""
     n, s = TRIAD_ELEMENTS, 3.0
@@ -131,6 +137,8 @@ def measure_triad(threads: int, reps: int) -> Dict[str, object]:
     triad()
     samples = []
     for _ in range(reps):
+        if gap_s:
+            time.sleep(gap_s)
         t0 = time.perf_counter()
         triad()
         samples.append(time.perf_counter() - t0)
@@ -395,10 +403,12 @@ def compiled_impl(op: Op, t_args: tuple, t_outs: tuple) -> Impl:
     return Impl(run, note="copy_ into out" + ("s" if op.outputs > 1 else "") + ", fused")
 
 
-def time_round_robin(impls: Dict[str, Impl], reps: int) -> Tuple[Dict[str, List[float]], Dict[str, int]]:
+def time_round_robin(impls: Dict[str, Impl], reps: int,
+                     gap_s: float = GAP_MS / 1e3) -> Tuple[Dict[str, List[float]], Dict[str, int]]:
     """Each rep runs every implementation once, starting at a rotating one,
     so drifting noise on a shared machine lands on all of them alike. Calls
-    shorter than SAMPLE_S are looped; a sample is the time per call."""
+    shorter than SAMPLE_S are looped; a sample is the time per call. Each
+    sample starts after gap_s of idle time (see GAP_MS)."""
     names = [n for n, i in impls.items() if i.run is not None]
     number = {}
     for n in names:  # warm-up past the correctness call, timed to size the loops
@@ -412,6 +422,8 @@ def time_round_robin(impls: Dict[str, Impl], reps: int) -> Tuple[Dict[str, List[
             k = r % len(names)
             for n in names[k:] + names[:k]:
                 run, calls = impls[n].run, number[n]
+                if gap_s:
+                    time.sleep(gap_s)
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     run()
@@ -487,7 +499,7 @@ def goals_text(g: Dict[str, dict]) -> str:
 
 def run_section(ops: List[Op], s: Section, args, threads: int, l3: int) -> dict:
     t_start = time.perf_counter()
-    triad = measure_triad(threads, args.reps)
+    triad = measure_triad(threads, args.reps, args.gap_ms / 1e3)
     itemsize = 2 if s.dtype in ("float16", "bfloat16") else 4
     array_bytes = s.rows * s.cols * itemsize
     dram = 2 * array_bytes > l3
@@ -496,7 +508,7 @@ def run_section(ops: List[Op], s: Section, args, threads: int, l3: int) -> dict:
         print(f"  [{s.dtype} {s.rows}x{s.cols}] {op.name} ...", file=sys.stderr, flush=True)
         op_bytes = op.arrays * array_bytes
         impls = build_impls(op, s)
-        samples, number = time_round_robin(impls, args.reps)
+        samples, number = time_round_robin(impls, args.reps, args.gap_ms / 1e3)
         entry = {"bytes": op_bytes, "arrays": op.arrays, "impls": {}}
         for name in IMPLS:
             impl = impls.get(name)
@@ -517,7 +529,7 @@ def run_section(ops: List[Op], s: Section, args, threads: int, l3: int) -> dict:
         results[op.name] = entry
         del impls
         gc.collect()
-    return {"shape": [s.rows, s.cols], "dtype": s.dtype, "dram_bound": dram, "reps": args.reps,
+    return {"shape": [s.rows, s.cols], "dtype": s.dtype, "dram_bound": dram, "reps": args.reps, "gap_ms": args.gap_ms,
             "quick": args.quick, "triad": triad, "ops": results,
             "seconds": time.perf_counter() - t_start}
 
@@ -536,6 +548,7 @@ def section_markdown(report: dict, plot_name: Optional[str]) -> str:
         f"## Ops: {report['dtype']}[{rows}, {cols}] ({kind})", "",
         f"{report['machine']} · tensor_ops and torch on {report['threads']} threads ({report['isa']}) · "
         f"median of {report['reps']} round-robin" + (" (**under 20: preliminary**)" if report["reps"] < 20 else "")
+        + (f", {report['gap_ms']:g} ms idle before each sample" if report.get("gap_ms") else ", back to back")
         + f" · section took {report['seconds']:.0f} s · `{report['command']}`", "",
         f"Triad ({t['impl']}, 3 x {t['elements'] * 4 // 2**20} MiB): **{t['gbps']:.1f} GB/s** "
         f"(p25–p75 {t['gbps_p25_p75'][0]:.1f}–{t['gbps_p25_p75'][1]:.1f})" + (f" — {t['note']}" if t["note"] else ""),
@@ -619,6 +632,9 @@ def parse_args(argv=None):
                    help="default float32 bfloat16 (float32 with --quick)")
     p.add_argument("--ops", nargs="+", choices=names, metavar="OP", help=f"default all: {', '.join(names)}")
     p.add_argument("--reps", type=int, help=f"timed repetitions per implementation (default 20, {QUICK_REPS} with --quick)")
+    p.add_argument("--gap-ms", type=float, default=GAP_MS,
+                   help=f"idle ms before each timed sample, so no implementation runs while the previous one's "
+                        f"threads still spin (default {GAP_MS:g}; 0: back to back)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run in seconds: small shape, float32, few reps, no torch.compile, "
                         "RESULTS.md left alone")

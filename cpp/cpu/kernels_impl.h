@@ -152,19 +152,15 @@ TENSOR_OPS_VEC_INLINE float vmax(int64_t n, F f) {
   int64_t i = 0;
   for (; i + 2 * kVW <= n; i += 2 * kVW) {
     const vf a = f(i, Full{}), b = f(i + kVW, Full{});
-    m0 = a > m0 ? a : m0;
-    m1 = b > m1 ? b : m1;
+    m0 = max_t(a, m0);
+    m1 = max_t(b, m1);
   }
-  for (; i + kVW <= n; i += kVW) {
-    const vf a = f(i, Full{});
-    m0 = a > m0 ? a : m0;
-  }
+  for (; i + kVW <= n; i += kVW) m0 = max_t(f(i, Full{}), m0);
   if (i < n) {
     const Part p{int(n - i)};
-    const vf a = p.keep(f(i, p), -__builtin_inff());
-    m1 = a > m1 ? a : m1;
+    m1 = max_t(p.keep(f(i, p), -__builtin_inff()), m1);
   }
-  m0 = m1 > m0 ? m1 : m0;
+  m0 = max_t(m1, m0);
   float r = m0[0];
   for (int j = 1; j < kVW; ++j) r = m0[j] > r ? m0[j] : r;
   return r;

@@ -38,6 +38,33 @@ TENSOR_OPS_VEC_INLINE T splat(float c) {
   return T{} + c;
 }
 
+// max(a, b) and min(a, b) as one instruction (maxps/minps: b when either is
+// NaN; GCC turns a vector `a > b ? a : b` into compare + blend instead).
+TENSOR_OPS_VEC_INLINE float max_t(float a, float b) { return a > b ? a : b; }
+TENSOR_OPS_VEC_INLINE float min_t(float a, float b) { return a < b ? a : b; }
+TENSOR_OPS_VEC_INLINE vf max_t(vf a, vf b) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX__)
+  return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#elif defined(__SSE__)
+  return (vf)_mm_max_ps((__m128)a, (__m128)b);
+#else
+  return a > b ? a : b;
+#endif
+}
+TENSOR_OPS_VEC_INLINE vf min_t(vf a, vf b) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_min_ps((__m512)a, (__m512)b);
+#elif defined(__AVX__)
+  return (vf)_mm256_min_ps((__m256)a, (__m256)b);
+#elif defined(__SSE__)
+  return (vf)_mm_min_ps((__m128)a, (__m128)b);
+#else
+  return a < b ? a : b;
+#endif
+}
+
 template <class T>
 TENSOR_OPS_VEC_INLINE T abs_t(T x) {
   return from_bits(as_bits(x) & 0x7fffffffu);
@@ -49,11 +76,8 @@ TENSOR_OPS_VEC_INLINE T abs_t(T x) {
 // whole body is select-only, so it runs on vf lanes as well as scalars.
 template <class T>
 TENSOR_OPS_VEC_INLINE T exp_t(T x) {
-  // max then min, each in the operand order that hands a NaN x through
-  // (maxps/minps return their second operand when either is NaN).
-  const T lo = splat<T>(-87.3f), hi = splat<T>(88.3f);
-  T xc = lo > x ? lo : x;
-  xc = hi < xc ? hi : xc;
+  // max then min, each in the operand order that hands a NaN x through.
+  const T xc = min_t(splat<T>(88.3f), max_t(splat<T>(-87.3f), x));
   const T t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
   const T n = t - 12582912.0f;
   T r = xc - n * 0.693359375f;
