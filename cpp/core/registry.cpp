@@ -2,8 +2,10 @@
 
 #include <dirent.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 
 #include "../cpu/cpu_backend.h"
@@ -18,6 +20,19 @@
 #endif
 
 namespace tensor_ops {
+
+SelectionEnv selection_env() {
+  static const char kBackend[] = "TENSOR_OPS_BACKEND=", kPriority[] = "TENSOR_OPS_PRIORITY=";
+  SelectionEnv r;
+  for (char** e = environ; e && *e; ++e) {
+    const char* v = *e;
+    if (v[0] != 'T' || std::strncmp(v, "TENSOR_OPS_", 11) != 0) continue;
+    if (!r.backend && std::strncmp(v, kBackend, sizeof kBackend - 1) == 0) r.backend = v + sizeof kBackend - 1;
+    else if (!r.priority && std::strncmp(v, kPriority, sizeof kPriority - 1) == 0)
+      r.priority = v + sizeof kPriority - 1;
+  }
+  return r;
+}
 
 std::vector<std::string> split_list(const std::string& s, char sep) {
   std::vector<std::string> out;
@@ -250,6 +265,10 @@ const std::string* Registry::find_external(const char* name) const {
 }
 
 const std::string* Registry::external_choice() const {
+  return external_.empty() ? nullptr : external_choice_in(selection_env().backend);
+}
+
+const std::string* Registry::external_choice_in(const char* forced) const {
   if (external_.empty()) return nullptr;
   if (!scope_stack.empty() && scope_stack.back() != "auto") {
     const std::string& top = scope_stack.back();
@@ -260,16 +279,21 @@ const std::string* Registry::external_choice() const {
     if (i >= 0) return &external_[size_t(i)];
     if (selected_backend_.load(std::memory_order_acquire)) return nullptr;
   }
-  const char* forced = std::getenv("TENSOR_OPS_BACKEND");
   return forced ? find_external(forced) : nullptr;
 }
 
 Backend& Registry::host_backend() const {
-  if (const std::string* name = external_choice()) throw ExternalBackendSelected(*name);
-  return active();
+  const SelectionEnv env = selection_env();
+  if (const std::string* name = external_choice_in(env.backend)) throw ExternalBackendSelected(*name);
+  return active_in(env.backend, env.priority);
 }
 
 Backend& Registry::active() const {
+  const SelectionEnv env = selection_env();
+  return active_in(env.backend, env.priority);
+}
+
+Backend& Registry::active_in(const char* forced, const char* order) const {
   // A use("auto") scope skips set_backend() and falls to automatic choice;
   // a scope naming an external backend counts as "auto" here.
   const bool auto_scope =
@@ -279,9 +303,7 @@ Backend& Registry::active() const {
     if (Backend* b = selected_backend_.load(std::memory_order_acquire)) return *b;
   }
   // The automatic choice depends only on two environment variables: cached
-  // per thread against their current values (an op call pays two getenv).
-  const char* forced = std::getenv("TENSOR_OPS_BACKEND");
-  const char* order = std::getenv("TENSOR_OPS_PRIORITY");
+  // per thread against their current values (read by the caller in one scan).
   thread_local std::string cached_forced, cached_order;
   thread_local Backend* cached = nullptr;
   thread_local uint64_t cached_generation = 0;

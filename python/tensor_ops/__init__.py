@@ -55,24 +55,7 @@ import numpy as _np
 
 from .errors import LayoutError as _LayoutError
 
-# Fast path for the common call: a numpy float32/float16 array (or a torch
-# tensor that needs no grad) and no out=. It skips the generic argument
-# handling (about 8 us of Python per call); anything unusual, or a layout the
-# core refuses, takes the general path.
-_ndarray = _np.ndarray
-_FAST_NP = (_np.dtype(_np.float32), _np.dtype(_np.float16))
-
-
-def _fast_out(x):
-    t = type(x)
-    if t is _ndarray:
-        return _np.empty(x.shape, x.dtype) if x.dtype in _FAST_NP else None
-    if t.__name__ == "Tensor" and t.__module__ == "torch" and not x.requires_grad:
-        # empty_like: ~1.2 us against new_empty's ~2.8 us (strides kept for
-        # a dense permuted input: a layout the core refuses takes the general path)
-        return _sys.modules["torch"].empty_like(x)
-    return None
-
+from ._arrays import fast_out as _fast_out
 
 def _unary(fn, x, out, *extra):
     if out is None:

@@ -273,3 +273,44 @@ def call(fn, args: list[Arg], out, *extra):
             a.contiguous()
         streams.call(fn, [a.array for a in args], [out_arr], extra, bf16)
     return out
+
+
+# Fast path for the common call: a numpy float32/float16 array (or a torch
+# tensor that needs no grad) and no out=. It skips the generic argument
+# handling (about 5-8 us of Python per call); anything unusual, or a layout
+# the core refuses, takes the general path.
+_FAST_NP = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def fast_out(x):
+    """An output like x for the fast path, or None when x does not qualify."""
+    t = type(x)
+    if t is np.ndarray:
+        return np.empty(x.shape, x.dtype) if x.dtype in _FAST_NP else None
+    if t.__name__ == "Tensor" and t.__module__ == "torch" and not x.requires_grad:
+        # empty_like: ~1.2 us against new_empty's ~2.8 us (strides kept for
+        # a dense permuted input: a layout the core refuses takes the general path)
+        return sys.modules["torch"].empty_like(x)
+    return None
+
+
+def fast_call(fn, x, peers, n_out, *extra):
+    """fn(x, *peers, *outputs, *extra) on the fast path: x qualifies for
+    fast_out, is on the host, and every peer array is of x's type and dtype
+    (and needs no grad). Returns the output (a tuple for n_out > 1), or None
+    to take the general path."""
+    o = fast_out(x)
+    if o is None:
+        return None
+    t, dt = type(x), x.dtype
+    for p in peers:
+        if type(p) is not t or p.dtype != dt or (t is not np.ndarray and p.requires_grad):
+            return None
+    if t is not np.ndarray and x.device.type != "cpu":
+        return None
+    outs = (o,) if n_out == 1 else (o,) + tuple(fast_out(x) for _ in range(n_out - 1))
+    try:
+        fn(x, *peers, *outs, *extra)
+    except LayoutError:
+        return None
+    return o if n_out == 1 else outs

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from . import _C
-from ._arrays import Arg, empty_like, run
+from ._arrays import Arg, empty_like, fast_call, run
 
 
 def _eps(eps) -> float:
@@ -26,6 +26,13 @@ def _approx(approximate) -> str:
 
 def layer_norm(x, weight, bias=None, eps: float = 1e-5, *, out=None):
     """(x - mean) / sqrt(var + eps) * weight + bias over the last dim."""
+    if out is None and type(eps) is float:
+        if bias is None:
+            y = fast_call(_layer_norm_no_bias, x, (weight,), 1, eps)
+        else:
+            y = fast_call(_C.layer_norm, x, (weight, bias), 1, eps)
+        if y is not None:
+            return y
     a, w = Arg(x, "x"), Arg(weight, "weight")
     b = None if bias is None else Arg(bias, "bias")
     out = empty_like(a) if out is None else out
@@ -33,9 +40,17 @@ def layer_norm(x, weight, bias=None, eps: float = 1e-5, *, out=None):
     return out
 
 
+def _layer_norm_no_bias(x, weight, out, eps):
+    _C.layer_norm(x, weight, None, out, eps)
+
+
 def add_rms_norm(x, residual, weight, eps: float = 1e-6):
     """Fused residual add + RMSNorm in one pass: returns
     (rms_norm(x + residual, weight), x + residual)."""
+    if type(eps) is float:
+        y = fast_call(_C.add_rms_norm, x, (residual, weight), 2, eps)
+        if y is not None:
+            return y
     a, r, w = Arg(x, "x"), Arg(residual, "residual"), Arg(weight, "weight")
     out, res_out = empty_like(a), empty_like(a)
     run(_C.add_rms_norm, [a, r, w], [out, res_out], _eps(eps))
@@ -77,6 +92,10 @@ def _moved(x, dim):
 
 
 def _softmax(x, dim, scale, causal, log):
+    if dim == -1 and type(scale) is float and type(causal) is bool and getattr(x, "ndim", 0) >= 1:
+        y = fast_call(_C.softmax, x, (), 1, scale, causal, log)
+        if y is not None:
+            return y
     if causal and dim not in (-1, len(getattr(x, "shape", ())) - 1):
         raise ValueError("causal softmax works on the last dim only")
     xm, back = _moved(x, dim)
@@ -131,6 +150,10 @@ def gelu_backward(dy, x, approximate: str = "none"):
 
 
 def _glu(gate, up, act, approximate, out):
+    if out is None and type(approximate) is str:
+        y = fast_call(_C.glu, gate, (up,), 1, act, approximate)
+        if y is not None:
+            return y
     g, u = Arg(gate, "gate"), Arg(up, "up")
     out = empty_like(g) if out is None else out
     run(_C.glu, [g, u], [out], act, _approx(approximate))

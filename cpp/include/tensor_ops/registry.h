@@ -95,6 +95,9 @@ class Registry {
   void add(std::unique_ptr<Backend> backend);
   std::vector<Backend*> by_priority() const;
   Backend& resolve_auto(const std::string& forced, const std::string& order) const;
+  // active() and external_choice() given the environment, read once per call.
+  Backend& active_in(const char* forced, const char* order) const;
+  const std::string* external_choice_in(const char* forced) const;
 
   std::vector<std::unique_ptr<Backend>> backends_;
   std::vector<BackendStatus> missing_;  // known names with no plugin
