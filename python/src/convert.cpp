@@ -122,11 +122,56 @@ bool torch_cpu_tensor(nb::handle h, Tensor& out) {
   return true;
 }
 
+// numpy arrays (exactly numpy.ndarray) through the buffer protocol: about
+// 0.3 us less per array than nanobind's import, which asks numpy for a
+// DLPack capsule. Unusual formats (byte-swapped, strides that are not whole
+// elements, dtypes the core lacks) return false: the general path decides
+// (and words the error).
+bool numpy_array(nb::handle h, Tensor& out, bool as_bfloat16) {
+  static PyTypeObject* ndarray = [] {
+    PyObject* np = PyDict_GetItemString(PyImport_GetModuleDict(), "numpy");
+    PyObject* t = np ? PyObject_GetAttrString(np, "ndarray") : nullptr;  // kept for the process
+    if (!t) PyErr_Clear();
+    return reinterpret_cast<PyTypeObject*>(t);
+  }();
+  if (!ndarray || Py_TYPE(h.ptr()) != ndarray) return false;
+  Py_buffer view;
+  if (PyObject_GetBuffer(h.ptr(), &view, PyBUF_RECORDS_RO) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  DType d;
+  bool ok = view.format && view.format[0] && !view.format[1];
+  if (ok) {
+    switch (view.format[0]) {
+      case 'f': d = DType::Float32, ok = view.itemsize == 4; break;
+      case 'e': d = DType::Float16, ok = view.itemsize == 2; break;
+      case 'H': d = DType::BFloat16, ok = as_bfloat16 && view.itemsize == 2; break;
+      case 'i': d = DType::Int32, ok = view.itemsize == 4; break;
+      case 'l':
+      case 'q': d = DType::Int64, ok = view.itemsize == 8; break;
+      default: ok = false;
+    }
+  }
+  std::vector<int64_t> sh(size_t(view.ndim)), st(size_t(view.ndim));
+  for (int i = 0; ok && i < view.ndim; ++i) {
+    sh[size_t(i)] = view.shape[i];
+    ok = view.strides[i] % view.itemsize == 0;
+    st[size_t(i)] = view.strides[i] / view.itemsize;
+  }
+  void* data = view.buf;
+  PyBuffer_Release(&view);  // the array itself stays referenced by the caller
+  if (!ok) return false;
+  out = Tensor(data, d, std::move(sh), std::move(st), Device{"host", 0});
+  return true;
+}
+
 }  // namespace
 
 Tensor to_tensor(nb::handle h, const char* arg, bool as_bfloat16) {
   if (nb::isinstance<Tensor>(h)) return nb::cast<const Tensor&>(h);
   Tensor t;
+  if (numpy_array(h, t, as_bfloat16)) return t;
   if (torch_cpu_tensor(h, t)) return t;
   nb::ndarray<nb::ro> a;
   if (!nb::try_cast(h, a))

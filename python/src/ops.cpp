@@ -1,5 +1,6 @@
 // Op bindings: outputs are allocated by the Python layer with the caller's
-// framework; the GIL is released around the kernels.
+// framework; the GIL is released around the kernels (the row and elementwise
+// ops: around those big enough to pay for it).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -25,6 +26,25 @@ struct Opt {
   const Tensor* get() const { return present ? &t : nullptr; }
 };
 
+// Releases the GIL around a kernel big enough to pay for it: a release and
+// re-acquire costs ~0.2 us, as much as a 1x64 row op's kernel, and another
+// Python thread gains nothing from a microsecond. Device data: always (the
+// call may wait on a device queue).
+class ReleaseIfBig {
+ public:
+  explicit ReleaseIfBig(const Tensor& t) {
+    if (t.device().backend != "host" || t.nbytes() >= (int64_t(64) << 10)) state_ = PyEval_SaveThread();
+  }
+  ~ReleaseIfBig() {
+    if (state_) PyEval_RestoreThread(state_);
+  }
+  ReleaseIfBig(const ReleaseIfBig&) = delete;
+  ReleaseIfBig& operator=(const ReleaseIfBig&) = delete;
+
+ private:
+  PyThreadState* state_ = nullptr;
+};
+
 }  // namespace
 
 void init_ops(nb::module_& m) {
@@ -32,7 +52,7 @@ void init_ops(nb::module_& m) {
       "rms_norm",
       [](const Array& x, const Array& weight, const Array& out, double eps, bool bf16) {
         Tensor tx = to_tensor(x, "x", bf16), tw = to_tensor(weight, "weight", bf16), to = to_tensor(out, "out", bf16);
-        nb::gil_scoped_release release;
+        ReleaseIfBig release(tx);
         rms_norm(tx, tw, to, eps);
       },
       nb::arg("x"), nb::arg("weight"), nb::arg("out"), nb::arg("eps"), nb::arg("bf16") = false,
@@ -41,7 +61,7 @@ void init_ops(nb::module_& m) {
       "silu",
       [](const Array& x, const Array& out, bool bf16) {
         Tensor tx = to_tensor(x, "x", bf16), to = to_tensor(out, "out", bf16);
-        nb::gil_scoped_release release;
+        ReleaseIfBig release(tx);
         silu(tx, to);
       },
       nb::arg("x"), nb::arg("out"), nb::arg("bf16") = false);
@@ -49,7 +69,7 @@ void init_ops(nb::module_& m) {
       "gelu",
       [](const Array& x, const Array& out, const std::string& approximate, bool bf16) {
         Tensor tx = to_tensor(x, "x", bf16), to = to_tensor(out, "out", bf16);
-        nb::gil_scoped_release release;
+        ReleaseIfBig release(tx);
         gelu(tx, to, approximate);
       },
       nb::arg("x"), nb::arg("out"), nb::arg("approximate"), nb::arg("bf16") = false);
@@ -58,7 +78,7 @@ void init_ops(nb::module_& m) {
       [](Array x, Array w, Array b, Array out, double eps, bool bf16) {
         Tensor tx = to_tensor(x, "x", bf16), tw = to_tensor(w, "weight", bf16), to = to_tensor(out, "out", bf16);
         Opt tb(b, "bias", bf16);
-        nb::gil_scoped_release release;
+        ReleaseIfBig release(tx);
         layer_norm(tx, tw, tb.get(), to, eps);
       },
       nb::arg("x"), nb::arg("weight"), nb::arg("bias").none(), nb::arg("out"), nb::arg("eps"), nb::arg("bf16") = false);
@@ -88,7 +108,7 @@ void init_ops(nb::module_& m) {
       [](Array x, Array r, Array w, Array out, Array rout, double eps, bool bf16) {
         Tensor a = to_tensor(x, "x", bf16), b = to_tensor(r, "residual", bf16), c = to_tensor(w, "weight", bf16),
                d = to_tensor(out, "out", bf16), e = to_tensor(rout, "residual_out", bf16);
-        nb::gil_scoped_release release;
+        ReleaseIfBig release(a);
         add_rms_norm(a, b, c, d, e, eps);
       },
       nb::arg("x"), nb::arg("residual"), nb::arg("weight"), nb::arg("out"), nb::arg("residual_out"), nb::arg("eps"),
@@ -97,7 +117,7 @@ void init_ops(nb::module_& m) {
       "softmax",
       [](Array x, Array out, double scale, bool causal, bool log, bool bf16) {
         Tensor a = to_tensor(x, "x", bf16), b = to_tensor(out, "out", bf16);
-        nb::gil_scoped_release release;
+        ReleaseIfBig release(a);
         softmax(a, b, scale, causal, log);
       },
       nb::arg("x"), nb::arg("out"), nb::arg("scale"), nb::arg("causal"), nb::arg("log"), nb::arg("bf16") = false);
@@ -124,7 +144,7 @@ void init_ops(nb::module_& m) {
       [](Array g, Array u, Array out, const std::string& act, const std::string& approx, bool bf16) {
         Tensor a = to_tensor(g, "gate", bf16), b = to_tensor(u, "up", bf16), c = to_tensor(out, "out", bf16);
         Activation ac = activation_from_name(act, approx);
-        nb::gil_scoped_release release;
+        ReleaseIfBig release(a);
         glu(a, b, c, ac);
       },
       nb::arg("gate"), nb::arg("up"), nb::arg("out"), nb::arg("activation"), nb::arg("approximate"),

@@ -55,10 +55,24 @@ import numpy as _np
 
 from .errors import LayoutError as _LayoutError
 
+from ._arrays import _FAST_NP
 from ._arrays import fast_out as _fast_out
 
+_ndarray = _np.ndarray
+_np_empty = _np.empty
+
+
 def _unary(fn, x, out, *extra):
-    if out is None:
+    # The numpy case first, inline: a helper call costs ~0.15 us, a tenth of
+    # a 1x64 call.
+    if out is None and type(x) is _ndarray and x.dtype in _FAST_NP:
+        fast = _np_empty(x.shape, x.dtype)
+        try:
+            fn(x, fast, *extra)
+            return fast
+        except _LayoutError:
+            pass
+    elif out is None:
         fast = _fast_out(x)
         if fast is not None:
             try:
@@ -75,7 +89,7 @@ def _unary(fn, x, out, *extra):
 def rms_norm(x, weight, eps: float = 1e-6, *, out=None):
     """x / sqrt(mean(x**2, last dim) + eps) * weight, accumulated in fp32."""
     if out is None and type(eps) is float:
-        fast = _fast_out(x)
+        fast = _np_empty(x.shape, x.dtype) if type(x) is _ndarray and x.dtype in _FAST_NP else _fast_out(x)
         if fast is not None and type(weight) is type(x):
             try:
                 _C.rms_norm(x, weight, fast, eps)
@@ -92,6 +106,13 @@ def rms_norm(x, weight, eps: float = 1e-6, *, out=None):
 
 def silu(x, *, out=None):
     """x * sigmoid(x)."""
+    if out is None and type(x) is _ndarray and x.dtype in _FAST_NP:  # _unary's fast path, one call less
+        fast = _np_empty(x.shape, x.dtype)
+        try:
+            _C.silu(x, fast)
+            return fast
+        except _LayoutError:
+            pass
     return _unary(_C.silu, x, out)
 
 
