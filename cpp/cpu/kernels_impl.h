@@ -166,6 +166,126 @@ TENSOR_OPS_VEC_INLINE float vmax(int64_t n, F f) {
   return r;
 }
 
+// ---- D-typed lanes: 16-bit storage widened to / narrowed from vf in
+// registers (no row buffer). ldx/stx address element i of a row of D.
+
+typedef uint16_t vh __attribute__((vector_size(kVW * 2)));
+
+TENSOR_OPS_VEC_INLINE vh hload(const uint16_t* p, Full) {
+  vh v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+TENSOR_OPS_VEC_INLINE vh hload(const uint16_t* p, Part a) {
+  vh v = {};
+  __builtin_memcpy(&v, p, size_t(a.n) * 2);
+  return v;
+}
+TENSOR_OPS_VEC_INLINE void hstore(uint16_t* p, vh v, Full) { __builtin_memcpy(p, &v, sizeof v); }
+TENSOR_OPS_VEC_INLINE void hstore(uint16_t* p, vh v, Part a) { __builtin_memcpy(p, &v, size_t(a.n) * 2); }
+
+template <DType D>
+TENSOR_OPS_VEC_INLINE vf widen(vh h) {
+  if constexpr (D == DType::BFloat16) {
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+  } else {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps((__m256i)h);
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps((__m128i)h);
+#else
+    vf r;
+    for (int j = 0; j < kVW; ++j) r[j] = half_bits_to_f32(h[j]);
+    return r;
+#endif
+  }
+}
+
+// Round to nearest even, NaN kept quiet (as f32_to_bf16_bits / f32_to_half_bits).
+template <DType D>
+TENSOR_OPS_VEC_INLINE vh narrow(vf v) {
+  if constexpr (D == DType::BFloat16) {
+    const vu u = (vu)v;
+    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const vu r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded;
+    return __builtin_convertvector(r, vh);
+  } else {
+#if defined(__AVX512F__)
+    return (vh)_mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__F16C__)
+    return (vh)_mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    vh r;
+    for (int j = 0; j < kVW; ++j) r[j] = f32_to_half_bits(v[j]);
+    return r;
+#endif
+  }
+}
+
+template <DType D, class A>
+TENSOR_OPS_VEC_INLINE vf ldx(const void* row, int64_t i, A a) {
+  if constexpr (D == DType::Float32) return a.ld(static_cast<const float*>(row) + i);
+  else return widen<D>(hload(static_cast<const uint16_t*>(row) + i, a));
+}
+
+template <DType D, class A>
+TENSOR_OPS_VEC_INLINE void stx(void* row, int64_t i, vf v, A a) {
+  if constexpr (D == DType::Float32) a.st(static_cast<float*>(row) + i, v);
+  else hstore(static_cast<uint16_t*>(row) + i, narrow<D>(v), a);
+}
+
+// v rounded to D and back (a 16-bit result used again in fp32).
+template <DType D>
+TENSOR_OPS_VEC_INLINE vf round_to(vf v) {
+  if constexpr (D == DType::Float32) return v;
+  else return widen<D>(narrow<D>(v));
+}
+
+// vmap for a row of D: row[i..] = f(i, access) over [0, n), narrowed in
+// registers; nt: streaming stores for the aligned body where the ISA has
+// them for that width.
+template <DType D, class F>
+TENSOR_OPS_VEC_INLINE void vmapx(void* row, int64_t n, bool nt, F f) {
+  if constexpr (D == DType::Float32) {
+    vmap(static_cast<float*>(row), n, nt, f);
+  } else {
+    uint16_t* dst = static_cast<uint16_t*>(row);
+    int64_t i = 0;
+#if defined(__AVX__)
+    if (nt) {
+      const int64_t mis = int64_t(reinterpret_cast<uintptr_t>(dst) / 2) % kVW;  // 2-byte aligned
+      if (mis && n > 0) {
+        const Part a{int(min64(n, kVW - mis))};
+        hstore(dst, narrow<D>(f(int64_t(0), a)), a);
+        i = a.n;
+      }
+      for (; i + kVW <= n; i += kVW) {
+#if defined(__AVX512F__)
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)narrow<D>(f(i, Full{})));
+#else
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), (__m128i)narrow<D>(f(i, Full{})));
+#endif
+      }
+    }
+#endif
+    for (; i + kVW <= n; i += kVW) hstore(dst + i, narrow<D>(f(i, Full{})), Full{});
+    if (i < n) {
+      const Part a{int(n - i)};
+      hstore(dst + i, narrow<D>(f(i, a)), a);
+    }
+  }
+}
+
+// Row r's first element of a 2-D view.
+template <DType D>
+TENSOR_OPS_VEC_INLINE const void* row_of(const to_tensor& t, int64_t r) {
+  return static_cast<const char*>(t.data) + r * t.strides[0] * (D == DType::Float32 ? 4 : 2);
+}
+template <DType D>
+TENSOR_OPS_VEC_INLINE void* row_of_mut(const to_tensor& t, int64_t r) {
+  return static_cast<char*>(t.data) + r * t.strides[0] * (D == DType::Float32 ? 4 : 2);
+}
+
 // Software prefetch of the cache line holding p (the next row, while the
 // current one is computed from cache, so memory is never idle).
 TENSOR_OPS_VEC_INLINE void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
@@ -209,73 +329,28 @@ inline void store_f32(const float* src, void* dst, int64_t n) {
   }
 }
 
+// Two passes over each row (the second from cache); y written from
+// registers, 16-bit data widened and narrowed in them.
 template <DType D>
 void rms_norm_t(const void* x, int64_t xs, const float* w, void* y, int64_t ys, int64_t r0, int64_t r1,
                 int64_t cols, float eps, bool nt) {
   constexpr int64_t item = D == DType::Float32 ? 4 : 2;
-  alignas(64) float buf[kBlock];
-  alignas(64) uint16_t half_buf[kBlock];
   for (int64_t r = r0; r < r1; ++r) {
-    const char* xr = static_cast<const char*>(x) + r * xs * item;
-    char* yr = static_cast<char*>(y) + r * ys * item;
-    if constexpr (D == DType::Float32) {
-      // Two passes over x (the second from cache), y written from registers.
-      const float* v = reinterpret_cast<const float*>(xr);
-      const double total = vsum(cols, [&](int64_t i, auto a) {
-        const vf t = a.ld(v + i);
-        return t * t;
-      });
-      const float scale = float(1.0 / __builtin_sqrt(total / double(cols) + double(eps)));
-      vmap(reinterpret_cast<float*>(yr), cols, nt, [&](int64_t i, auto a) { return a.ld(v + i) * scale * a.ld(w + i); });
-      continue;
-    }
-    double total = 0;
-    for (int64_t c = 0; c < cols; c += kBlock) {
-      const int64_t n = min64(kBlock, cols - c);
-      load_f32<D>(xr + c * item, buf, n);
-      total += vsum(n, [&](int64_t i, auto a) {
-        const vf t = a.ld(buf + i);
-        return t * t;
-      });
-    }
+    const void* xr = static_cast<const char*>(x) + r * xs * item;
+    void* yr = static_cast<char*>(y) + r * ys * item;
+    const double total = vsum(cols, [&](int64_t i, auto a) {
+      const vf t = ldx<D>(xr, i, a);
+      return t * t;
+    });
     const float scale = float(1.0 / __builtin_sqrt(total / double(cols) + double(eps)));
-    for (int64_t c = 0; c < cols; c += kBlock) {
-      const int64_t n = min64(kBlock, cols - c);
-      load_f32<D>(xr + c * item, buf, n);
-      vmap(buf, n, false, [&](int64_t i, auto a) { return a.ld(buf + i) * scale * a.ld(w + c + i); });
-      if (nt) {
-        store_f32<D>(buf, half_buf, n);
-        stream_copy(half_buf, yr + c * item, n * item);
-      } else {
-        store_f32<D>(buf, yr + c * item, n);
-      }
-    }
+    vmapx<D>(yr, cols, nt, [&](int64_t i, auto a) { return ldx<D>(xr, i, a) * scale * a.ld(w + i); });
   }
 }
 
 // y = f(x) elementwise over a contiguous span; nt: streaming stores.
 template <DType D, class F>
 inline void map_span(const void* x, void* y, int64_t n, F f, bool nt) {
-  constexpr int64_t item = D == DType::Float32 ? 4 : 2;
-  if constexpr (D == DType::Float32) {
-    const float* xs = static_cast<const float*>(x);
-    vmap(static_cast<float*>(y), n, nt, [&](int64_t i, auto a) { return f(a.ld(xs + i)); });
-    return;
-  }
-  alignas(64) float buf[kBlock];
-  alignas(64) uint16_t half_buf[kBlock];
-  for (int64_t c = 0; c < n; c += kBlock) {
-    const int64_t m = min64(kBlock, n - c);
-    char* dst = static_cast<char*>(y) + c * item;
-    load_f32<D>(static_cast<const uint16_t*>(x) + c, buf, m);
-    vmap(buf, m, false, [&](int64_t i, auto a) { return f(a.ld(buf + i)); });
-    if (nt) {
-      store_f32<D>(buf, half_buf, m);
-      stream_copy(half_buf, dst, m * item);
-    } else {
-      store_f32<D>(buf, dst, m);
-    }
-  }
+  vmapx<D>(y, n, nt, [&](int64_t i, auto a) { return f(ldx<D>(x, i, a)); });
 }
 
 struct Silu {
