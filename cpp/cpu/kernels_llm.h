@@ -56,35 +56,6 @@ inline double dot_f(const float* x, const float* y, int64_t n) {
   return vsum(n, [x, y](int64_t i, auto a) { return a.ld(x + i) * a.ld(y + i); });
 }
 
-// sum(exp(v[i] - m)).
-inline double sum_exp_f(const float* v, int64_t n, float m) {
-  return vsum(n, [v, m](int64_t i, auto a) { return exp_t(a.ld(v + i) - m); });
-}
-
-// A row of a D tensor as fp32: float32 in place, 16-bit widened into tmp.
-template <DType D>
-TENSOR_OPS_VEC_INLINE const float* src_row(const to_tensor& t, int64_t off, int64_t n, float* tmp) {
-  if constexpr (D == DType::Float32) {
-    return static_cast<const float*>(t.data) + off;
-  } else {
-    ld<D>(t.data, off, n, tmp);
-    return tmp;
-  }
-}
-
-// Writes the fp32 values f(i, access) to [off, off + n) of a D tensor:
-// float32 straight from registers, 16-bit through tmp (then narrowed). tmp
-// may be the row f reads (each register is read before it is written).
-template <DType D, class F>
-TENSOR_OPS_VEC_INLINE void emit(void* base, int64_t off, int64_t n, bool nt, float* tmp, F f) {
-  if constexpr (D == DType::Float32) {
-    vmap(static_cast<float*>(base) + off, n, nt, f);
-  } else {
-    vmap(tmp, n, false, f);
-    put<D>(tmp, base, off, n, nt);
-  }
-}
-
 // Short dot product (attention head dims): fp32 lanes, no double.
 inline float dot_short(const float* a, const float* b, int64_t n) {
   float acc[16] = {0};
@@ -101,12 +72,12 @@ inline const char* row_ptr(const to_tensor& t) { return static_cast<const char*>
 
 // ---- norms ----------------------------------------------------------------
 
-// scratch: x row | weight | bias
+// scratch: weight | bias (fp32)
 template <DType D>
 int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &x = c.inputs[0], &w = c.inputs[1], &b = c.inputs[2], &y = c.outputs[0];
   const int64_t cols = x.shape[1];
-  float *buf = scratch, *wf = scratch + cols, *bf = scratch + 2 * cols;
+  float *wf = scratch + cols, *bf = scratch + 2 * cols;
   ld<D>(w.data, 0, cols, wf);
   if (c.ints[0]) ld<D>(b.data, 0, cols, bf);
   else
@@ -114,16 +85,16 @@ int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const float eps = float(c.scalars[0]);
   for (int64_t r = r0; r < r1; ++r) {
     // Three passes over the row (the last two from cache); y from registers.
-    const float* xr = src_row<D>(x, r * x.strides[0], cols, buf);
-    const float mean = float(sum_f(xr, cols) / double(cols));
+    const void* xr = row_of<D>(x, r);
+    const float mean = float(vsum(cols, [&](int64_t i, auto a) { return ldx<D>(xr, i, a); }) / double(cols));
     const double var = vsum(cols, [&](int64_t i, auto a) {
-                         const vf d = a.ld(xr + i) - mean;
+                         const vf d = ldx<D>(xr, i, a) - mean;
                          return d * d;
                        }) /
                        double(cols);
     const float rstd = float(1.0 / __builtin_sqrt(var + double(eps)));
-    emit<D>(y.data, r * y.strides[0], cols, c.ints[7], buf,
-            [&](int64_t i, auto a) { return (a.ld(xr + i) - mean) * rstd * a.ld(wf + i) + a.ld(bf + i); });
+    vmapx<D>(row_of_mut<D>(y, r), cols, c.ints[7],
+             [&](int64_t i, auto a) { return (ldx<D>(xr, i, a) - mean) * rstd * a.ld(wf + i) + a.ld(bf + i); });
   }
   return 0;
 }
@@ -161,43 +132,28 @@ int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
   return 0;
 }
 
-// scratch: row | weight | tmp
+// scratch: row sum (fp32) | weight
 template <DType D>
 int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &x = c.inputs[0], &res = c.inputs[1], &w = c.inputs[2], &y = c.outputs[0],
                   &ro = c.outputs[1];
   const int64_t cols = x.shape[1];
-  float *a = scratch, *b = scratch + cols, *wf = scratch + 2 * cols;
+  float *a = scratch, *wf = scratch + 2 * cols;
   ld<D>(w.data, 0, cols, wf);
   const double eps = c.scalars[0];
   const bool nt = c.ints[7];
   for (int64_t r = r0; r < r1; ++r) {
-    double ss;
-    if constexpr (D == DType::Float32) {
-      // One pass over x and residual: their sum kept in a, squares summed.
-      const float *xr = src_row<D>(x, r * x.strides[0], cols, a), *rr = src_row<D>(res, r * res.strides[0], cols, b);
-      ss = vsum(cols, [&](int64_t i, auto p) {
-        const vf s = p.ld(xr + i) + p.ld(rr + i);
-        p.st(a + i, s);
-        return s * s;
-      });
-    } else {
-      ld<D>(x.data, r * x.strides[0], cols, a);
-      ld<D>(res.data, r * res.strides[0], cols, b);
-      for (int64_t i = 0; i < cols; ++i) a[i] += b[i];
-      // Normalise the residual as stored: round it in place first.
-      alignas(64) uint16_t tmp[kBlock];
-      for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
-        const int64_t m = min64(kBlock, cols - c0);
-        store_f32<D>(a + c0, tmp, m);
-        load_f32<D>(tmp, a + c0, m);
-      }
-      ss = dot_f(a, a, cols);
-    }
-    emit<D>(ro.data, r * ro.strides[0], cols, nt, b, [&](int64_t i, auto p) { return p.ld(a + i); });
+    // One pass over x and residual: their sum, rounded to D (the residual
+    // is normalised as stored), kept in a; squares summed.
+    const void *xr = row_of<D>(x, r), *rr = row_of<D>(res, r);
+    const double ss = vsum(cols, [&](int64_t i, auto p) {
+      const vf s = round_to<D>(ldx<D>(xr, i, p) + ldx<D>(rr, i, p));
+      p.st(a + i, s);
+      return s * s;
+    });
+    vmapx<D>(row_of_mut<D>(ro, r), cols, nt, [&](int64_t i, auto p) { return p.ld(a + i); });
     const float scale = float(1.0 / __builtin_sqrt(ss / double(cols) + eps));
-    emit<D>(y.data, r * y.strides[0], cols, nt, b,
-            [&](int64_t i, auto p) { return p.ld(a + i) * scale * p.ld(wf + i); });
+    vmapx<D>(row_of_mut<D>(y, r), cols, nt, [&](int64_t i, auto p) { return p.ld(a + i) * scale * p.ld(wf + i); });
   }
   return 0;
 }
@@ -221,32 +177,32 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
       valid = i + cols - lq + 1;
       valid = valid < 0 ? 0 : (valid > cols ? cols : valid);
     }
-    const int64_t off = r * y.strides[0];
-    // Pass 1 reads x (float32 in place); the others find the row in cache.
-    // A NaN in x is skipped by the max but propagates through the sum.
-    const float* xr = src_row<D>(x, r * x.strides[0], valid, v);
-    const float m = vmax(valid, [&](int64_t i, auto a) { return a.ld(xr + i) * scale; });
+    // Pass 1 reads x; the others find the row in cache. A NaN in x is
+    // skipped by the max but propagates through the sum.
+    const void* xr = row_of<D>(x, r);
+    char* yr = static_cast<char*>(row_of_mut<D>(y, r));
+    const float m = vmax(valid, [&](int64_t i, auto a) { return ldx<D>(xr, i, a) * scale; });
     if (valid > 0 && log) {
-      const double sum = vsum(valid, [&](int64_t i, auto a) { return exp_t(a.ld(xr + i) * scale - m); });
+      const double sum = vsum(valid, [&](int64_t i, auto a) { return exp_t(ldx<D>(xr, i, a) * scale - m); });
       // (v - m) - log(sum), not v - (m + log(sum)): near the float limit
       // m + log(sum) rounds log(sum) away.
       const float ls = float(__builtin_log(sum));
-      emit<D>(y.data, off, valid, nt, v, [&](int64_t i, auto a) { return (a.ld(xr + i) * scale - m) - ls; });
+      vmapx<D>(yr, valid, nt, [&](int64_t i, auto a) { return (ldx<D>(xr, i, a) * scale - m) - ls; });
     } else if (valid > 0) {
       // v = exp(scale x - m) and its sum in one pass (compute-bound: the
       // next row is prefetched meanwhile); y = v / sum from registers.
-      const char* next = r + 1 < r1 ? static_cast<const char*>(x.data) + (r + 1) * x.strides[0] * item : nullptr;
+      const char* next = r + 1 < r1 ? static_cast<const char*>(row_of<D>(x, r + 1)) : nullptr;
       const double sum = vsum(valid, [&](int64_t i, auto a) {
         if (next) prefetch(next + i * item);
-        const vf e = exp_t(a.ld(xr + i) * scale - m);
+        const vf e = exp_t(ldx<D>(xr, i, a) * scale - m);
         a.st(v + i, e);
         return e;
       });
       const float inv = float(1.0 / sum);
-      emit<D>(y.data, off, valid, nt, v, [&](int64_t i, auto a) { return a.ld(v + i) * inv; });
+      vmapx<D>(yr, valid, nt, [&](int64_t i, auto a) { return a.ld(v + i) * inv; });
     }
     if (valid < cols)
-      emit<D>(y.data, off + valid, cols - valid, nt, v + valid, [&](int64_t, auto) { return splat<vf>(masked); });
+      vmapx<D>(yr + valid * item, cols - valid, nt, [&](int64_t, auto) { return splat<vf>(masked); });
   }
   return 0;
 }
@@ -353,22 +309,16 @@ int activation_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
 template <DType D>
 int glu_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
   const int64_t a = c.ints[0];
-  alignas(64) float gv[kBlock], uv[kBlock];
   for_spans(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t n) {
-    // float32 is read in place and written from registers; 16-bit inputs
-    // are widened into the block buffers first. out may be gate or up
-    // itself (each register is read before it is written).
-    const float *gp = gv, *up = uv;
-    if constexpr (D == DType::Float32) {
-      gp = static_cast<const float*>(c.inputs[0].data) + o0;
-      up = static_cast<const float*>(c.inputs[1].data) + o1;
-    } else {
-      ld<D>(c.inputs[0].data, o0, n, gv);
-      ld<D>(c.inputs[1].data, o1, n, uv);
-    }
+    // Read and written in registers (16-bit widened and narrowed there).
+    // out may be gate or up itself (each register is read before it is written).
+    constexpr int64_t item = D == DType::Float32 ? 4 : 2;
+    const void* gp = static_cast<const char*>(c.inputs[0].data) + o0 * item;
+    const void* up = static_cast<const char*>(c.inputs[1].data) + o1 * item;
+    void* yp = static_cast<char*>(c.outputs[0].data) + oy * item;
     with_activation(a, [&](auto A) {
-      emit<D>(c.outputs[0].data, oy, n, c.ints[7], gv,
-              [&](int64_t i, auto p) { return act_t<decltype(A)::value>(p.ld(gp + i)) * p.ld(up + i); });
+      vmapx<D>(yp, n, c.ints[7],
+               [&](int64_t i, auto p) { return act_t<decltype(A)::value>(ldx<D>(gp, i, p)) * ldx<D>(up, i, p); });
     });
   });
   return 0;
