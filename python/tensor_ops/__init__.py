@@ -56,6 +56,7 @@ import numpy as _np
 from .errors import LayoutError as _LayoutError
 
 from ._arrays import _FAST_NP
+from ._arrays import POOL_OUTPUT_BYTES as _POOL_BYTES
 from ._arrays import fast_out as _fast_out
 
 _ndarray = _np.ndarray
@@ -65,7 +66,7 @@ _np_empty = _np.empty
 def _unary(fn, x, out, *extra):
     # The numpy case first, inline: a helper call costs ~0.15 us, a tenth of
     # a 1x64 call.
-    if out is None and type(x) is _ndarray and x.dtype in _FAST_NP:
+    if out is None and type(x) is _ndarray and x.dtype in _FAST_NP and x.nbytes < _POOL_BYTES:
         fast = _np_empty(x.shape, x.dtype)
         try:
             fn(x, fast, *extra)
@@ -89,7 +90,8 @@ def _unary(fn, x, out, *extra):
 def rms_norm(x, weight, eps: float = 1e-6, *, out=None):
     """x / sqrt(mean(x**2, last dim) + eps) * weight, accumulated in fp32."""
     if out is None and type(eps) is float:
-        fast = _np_empty(x.shape, x.dtype) if type(x) is _ndarray and x.dtype in _FAST_NP else _fast_out(x)
+        small = type(x) is _ndarray and x.dtype in _FAST_NP and x.nbytes < _POOL_BYTES
+        fast = _np_empty(x.shape, x.dtype) if small else _fast_out(x)
         if fast is not None and type(weight) is type(x):
             try:
                 _C.rms_norm(x, weight, fast, eps)
@@ -106,7 +108,7 @@ def rms_norm(x, weight, eps: float = 1e-6, *, out=None):
 
 def silu(x, *, out=None):
     """x * sigmoid(x)."""
-    if out is None and type(x) is _ndarray and x.dtype in _FAST_NP:  # _unary's fast path, one call less
+    if out is None and type(x) is _ndarray and x.dtype in _FAST_NP and x.nbytes < _POOL_BYTES:  # _unary's, inline
         fast = _np_empty(x.shape, x.dtype)
         try:
             _C.silu(x, fast)

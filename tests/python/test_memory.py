@@ -1,4 +1,6 @@
 """The memory API: Tensor, pool statistics, memory fraction, OOM protection."""
+import gc
+
 import numpy as np
 import pytest
 
@@ -133,3 +135,46 @@ def test_injected_failure_retries_then_raises():
 def test_shape_overflow_is_clear():
     with pytest.raises(ValueError, match="overflow"):
         tensor_ops.empty((1 << 40, 1 << 40), "float32")
+
+
+def test_large_outputs_come_from_the_pool(rng):
+    """Outputs of POOL_OUTPUT_BYTES and more are pool blocks viewed by the
+    caller's kind of array (no page faults on a fresh mmap per call); they
+    go back to the pool when the array dies, and smaller ones stay np.empty."""
+    from tensor_ops._arrays import POOL_OUTPUT_BYTES
+
+    rows = POOL_OUTPUT_BYTES // (4 * 256)
+    x = rng.standard_normal((rows, 256), dtype=np.float32)
+    w = rng.standard_normal(256, dtype=np.float32)
+    gc.collect()  # earlier tests' garbage must not be freed halfway through
+    tensor_ops.empty_cache()
+    before = tensor_ops.memory_stats()["allocated_bytes.all.current"]
+    for y, ref in ((tensor_ops.silu(x), x / (1 + np.exp(-x.astype(np.float64)))),
+                   (tensor_ops.rms_norm(x, w), None), (tensor_ops.softmax(x), None)):
+        assert type(y) is np.ndarray and y.dtype == np.float32 and y.shape == x.shape and y.flags.writeable
+        assert tensor_ops.memory_stats()["allocated_bytes.all.current"] >= before + x.nbytes
+        if ref is not None:
+            np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+        y[0, 0] = 7.0  # the caller owns it
+        del y
+    assert tensor_ops.memory_stats()["allocated_bytes.all.current"] == before
+    assert tensor_ops.memory_stats()["cached_bytes"] >= x.nbytes
+    small = tensor_ops.silu(x[:8])
+    assert type(small) is np.ndarray and small.base is None  # np.empty, not a pool view
+    tensor_ops.empty_cache()
+
+
+def test_large_torch_outputs_come_from_the_pool(rng):
+    torch = pytest.importorskip("torch")
+    from tensor_ops._arrays import POOL_OUTPUT_BYTES
+
+    x = torch.from_numpy(rng.standard_normal((POOL_OUTPUT_BYTES // (2 * 512), 512), dtype=np.float32)).bfloat16()
+    gc.collect()
+    before = tensor_ops.memory_stats()["allocated_bytes.all.current"]
+    y = tensor_ops.silu(x)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and y.shape == x.shape
+    assert tensor_ops.memory_stats()["allocated_bytes.all.current"] >= before + x.numel() * 2
+    torch.testing.assert_close(y, torch.nn.functional.silu(x.float()).bfloat16(), rtol=2 ** -7, atol=1e-3)
+    del y
+    assert tensor_ops.memory_stats()["allocated_bytes.all.current"] == before
+    tensor_ops.empty_cache()
