@@ -70,6 +70,7 @@ SAMPLE_S = 2e-3  # fast calls are looped so that one sample lasts about this lon
 # after a torch call, 5.1 ms after a 10 ms pause). A gap lets every sample
 # start on an idle machine; --gap-ms 0 times back to back.
 GAP_MS = 20.0
+TRIAD = "triad"  # the round-robin's extra implementation
 CHECK_ELEMENTS = 1 << 21  # rows sampled for the correctness check of big outputs
 IMPLS = ("tensor_ops", "tensor_ops plain", "numpy", "torch eager", "torch eager plain", "torch.compile")
 TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 4e-2}  # rtol = atol
@@ -113,9 +114,9 @@ def summarize(samples: List[float]) -> Dict[str, float]:
             "min_s": min(samples), "max_s": max(samples)}
 
 
-def measure_triad(threads: int, reps: int, gap_s: float = GAP_MS / 1e3) -> Dict[str, object]:
-    """STREAM triad a = b + s*c. Bytes count the 3 arrays as STREAM does (the
-    write-allocate read of a is not counted)."""
+def make_triad(threads: int):
+    """STREAM triad a = b + s*c: (the call, its description). Bytes count the
+    3 arrays as STREAM does (the write-allocate read of a is not counted)."""
     n, s = TRIAD_ELEMENTS, 3.0
     if torch is not None:
         a, b, c = torch.empty(n), torch.full((n,), 1.0), torch.full((n,), 2.0)
@@ -123,8 +124,7 @@ def measure_triad(threads: int, reps: int, gap_s: float = GAP_MS / 1e3) -> Dict[
         def triad():
             torch.add(b, c, alpha=s, out=a)
 
-        impl, arrays = f"torch.add(out=), {threads} threads", 3
-        note = ""
+        meta = {"impl": f"torch.add(out=), {threads} threads", "arrays": 3, "note": ""}
     else:
         a, b, c = np.empty(n, np.float32), np.full(n, 1.0, np.float32), np.full(n, 2.0, np.float32)
 
@@ -132,20 +132,16 @@ def measure_triad(threads: int, reps: int, gap_s: float = GAP_MS / 1e3) -> Dict[
             np.multiply(c, s, out=a)
             np.add(a, b, out=a)
 
-        impl, arrays = "numpy, 1 thread", 5
-        note = "torch missing: numpy triad is single-threaded and understates a multi-threaded kernel's limit"
+        meta = {"impl": "numpy, 1 thread", "arrays": 5,
+                "note": "torch missing: numpy triad is single-threaded and understates a multi-threaded kernel's limit"}
     triad()
-    samples = []
-    for _ in range(reps):
-        if gap_s:
-            time.sleep(gap_s)
-        t0 = time.perf_counter()
-        triad()
-        samples.append(time.perf_counter() - t0)
-    nbytes = arrays * n * 4
+    return triad, {**meta, "elements": n, "bytes": meta["arrays"] * n * 4}
+
+
+def triad_stats(meta: dict, samples: List[float]) -> Dict[str, object]:
     stats = summarize(samples)
-    return {"impl": impl, "note": note, "elements": n, "bytes": nbytes, "samples_s": samples, **stats,
-            "gbps": nbytes / stats["median_s"] / 1e9,
+    nbytes = meta["bytes"]
+    return {**meta, "samples_s": samples, **stats, "gbps": nbytes / stats["median_s"] / 1e9,
             "gbps_p25_p75": [nbytes / stats["p75_s"] / 1e9, nbytes / stats["p25_s"] / 1e9]}
 
 
@@ -499,17 +495,31 @@ def goals_text(g: Dict[str, dict]) -> str:
 
 def run_section(ops: List[Op], s: Section, args, threads: int, l3: int) -> dict:
     t_start = time.perf_counter()
-    triad = measure_triad(threads, args.reps, args.gap_ms / 1e3)
     itemsize = 2 if s.dtype in ("float16", "bfloat16") else 4
     array_bytes = s.rows * s.cols * itemsize
     dram = 2 * array_bytes > l3
+    # At DRAM sizes the triad is one more implementation in every op's
+    # round-robin, so each op's % of triad compares samples taken in the same
+    # rounds (this shared machine's bandwidth drifts by 30% from minute to
+    # minute). Cache-resident sections time it apart, before their ops: in
+    # the rounds it would flush the others' data from the caches.
+    triad_run, triad_meta = make_triad(threads)
+    triad_samples: List[float] = []
+    if not dram:
+        triad_samples = time_round_robin({TRIAD: Impl(run=triad_run)}, args.reps, args.gap_ms / 1e3)[0][TRIAD]
     results = {}
     for op in ops:
         print(f"  [{s.dtype} {s.rows}x{s.cols}] {op.name} ...", file=sys.stderr, flush=True)
         op_bytes = op.arrays * array_bytes
         impls = build_impls(op, s)
+        if dram:
+            impls[TRIAD] = Impl(run=triad_run)
         samples, number = time_round_robin(impls, args.reps, args.gap_ms / 1e3)
-        entry = {"bytes": op_bytes, "arrays": op.arrays, "impls": {}}
+        if dram:
+            triad_samples += samples[TRIAD]
+        op_triad = triad_stats(triad_meta, samples[TRIAD] if dram else triad_samples)
+        entry = {"bytes": op_bytes, "arrays": op.arrays, "impls": {},
+                 "triad_gbps": op_triad["gbps"], "triad_gbps_p25_p75": op_triad["gbps_p25_p75"]}
         for name in IMPLS:
             impl = impls.get(name)
             if impl is None:
@@ -519,7 +529,7 @@ def run_section(ops: List[Op], s: Section, args, threads: int, l3: int) -> dict:
                 continue
             stats = summarize(samples[name])
             gbps = op_bytes / stats["median_s"] / 1e9
-            entry["impls"][name] = {**stats, "gbps": gbps, "pct_triad": 100 * gbps / triad["gbps"],
+            entry["impls"][name] = {**stats, "gbps": gbps, "pct_triad": 100 * gbps / op_triad["gbps"],
                                     "calls_per_sample": number[name], "max_abs_err": impl.max_abs_err,
                                     "note": impl.note, "samples_s": samples[name]}
         ours = entry["impls"]["tensor_ops"]["median_s"]
@@ -530,7 +540,7 @@ def run_section(ops: List[Op], s: Section, args, threads: int, l3: int) -> dict:
         del impls
         gc.collect()
     return {"shape": [s.rows, s.cols], "dtype": s.dtype, "dram_bound": dram, "reps": args.reps, "gap_ms": args.gap_ms,
-            "quick": args.quick, "triad": triad, "ops": results,
+            "quick": args.quick, "triad": triad_stats(triad_meta, triad_samples), "ops": results,
             "seconds": time.perf_counter() - t_start}
 
 
@@ -550,8 +560,12 @@ def section_markdown(report: dict, plot_name: Optional[str]) -> str:
         f"median of {report['reps']} round-robin" + (" (**under 20: preliminary**)" if report["reps"] < 20 else "")
         + (f", {report['gap_ms']:g} ms idle before each sample" if report.get("gap_ms") else ", back to back")
         + f" · section took {report['seconds']:.0f} s · `{report['command']}`", "",
-        f"Triad ({t['impl']}, 3 x {t['elements'] * 4 // 2**20} MiB): **{t['gbps']:.1f} GB/s** "
-        f"(p25–p75 {t['gbps_p25_p75'][0]:.1f}–{t['gbps_p25_p75'][1]:.1f})" + (f" — {t['note']}" if t["note"] else ""),
+        (f"Triad ({t['impl']}, 3 x {t['elements'] * 4 // 2**20} MiB), timed as one more implementation in every "
+         f"op's round-robin: **{t['gbps']:.1f} GB/s** over the section "
+         f"(p25–p75 {t['gbps_p25_p75'][0]:.1f}–{t['gbps_p25_p75'][1]:.1f}); each op's % triad is against the "
+         f"triad samples of its own rounds (shown on its tensor_ops row)" if report["dram_bound"] else
+         f"Triad ({t['impl']}, 3 x {t['elements'] * 4 // 2**20} MiB), timed before the ops: **{t['gbps']:.1f} GB/s** "
+         f"(p25–p75 {t['gbps_p25_p75'][0]:.1f}–{t['gbps_p25_p75'][1]:.1f})") + (f" — {t['note']}" if t["note"] else ""),
         "",
         "Bytes per call: x + y for the single-input ops; x + residual + y + new residual for add_rms_norm; "
         "gate + up + y for swiglu. Speedup = row median / tensor_ops median (> 1: tensor_ops faster). "
@@ -568,6 +582,8 @@ def section_markdown(report: dict, plot_name: Optional[str]) -> str:
             speedup = entry["speedup"].get(name)
             g = goals_text(entry["goals"]) if name == "tensor_ops" else ""
             loops = f"; {r['calls_per_sample']} calls per sample" if r["calls_per_sample"] > 1 else ""
+            if name == "tensor_ops" and report["dram_bound"]:
+                loops += f"; triad in these rounds {entry['triad_gbps']:.1f} GB/s"
             lines.append(f"| {op} | {name} | {ms(r['median_s'])} | {ms(r['p25_s'])}–{ms(r['p75_s'])} "
                          f"| {r['gbps']:.1f} | {r['pct_triad']:.0f}% | {'—' if speedup is None else f'{speedup:.2f}x'} "
                          f"| {g} | {r['note']}{loops} |")
