@@ -183,7 +183,7 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
     char* yr = static_cast<char*>(row_of_mut<D>(y, r));
     const float m = vmax(valid, [&](int64_t i, auto a) { return ldx<D>(xr, i, a) * scale; });
     if (valid > 0 && log) {
-      const double sum = vsum(valid, [&](int64_t i, auto a) { return exp_t(ldx<D>(xr, i, a) * scale - m); });
+      const double sum = vsum(valid, [&](int64_t i, auto a) { return exp_t<vf, true>(ldx<D>(xr, i, a) * scale - m); });
       // (v - m) - log(sum), not v - (m + log(sum)): near the float limit
       // m + log(sum) rounds log(sum) away.
       const float ls = float(__builtin_log(sum));
@@ -194,7 +194,7 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
       const char* next = r + 1 < r1 ? static_cast<const char*>(row_of<D>(x, r + 1)) : nullptr;
       const double sum = vsum(valid, [&](int64_t i, auto a) {
         if (next) prefetch(next + i * item);
-        const vf e = exp_t(ldx<D>(xr, i, a) * scale - m);
+        const vf e = exp_t<vf, true>(ldx<D>(xr, i, a) * scale - m);
         a.st(v + i, e);
         return e;
       });

@@ -93,10 +93,13 @@ TENSOR_OPS_VEC_INLINE T abs_t(T x) {
 // NaN stays NaN. The integer exponent is read from the bits of the rounding
 // sum rather than by a float-to-int conversion (undefined for NaN), and the
 // whole body is select-only, so it runs on vf lanes as well as scalars.
-template <class T>
+// NonPositive: the caller guarantees x <= 0 (or a rounding error above, or
+// NaN), as softmax's x - max does: the upper clamp is skipped.
+template <class T, bool NonPositive = false>
 TENSOR_OPS_VEC_INLINE T exp_t(T x) {
   // max then min, each in the operand order that hands a NaN x through.
-  const T xc = min_t(splat<T>(88.3f), max_t(splat<T>(-87.3f), x));
+  const T lo = max_t(splat<T>(-87.3f), x);
+  const T xc = NonPositive ? lo : min_t(splat<T>(88.3f), lo);
   const T t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
   const T n = t - 12582912.0f;
   T r = xc - n * 0.693359375f;
