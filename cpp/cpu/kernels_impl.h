@@ -144,25 +144,38 @@ TENSOR_OPS_VEC_INLINE double vsum(int64_t n, F f) {
   return total;
 }
 
-// Max of f(i, access) over [0, n) (-inf when empty). NaN lanes are skipped
-// (callers that need NaN to propagate get it from later arithmetic).
+// Max of f(i, access) over [0, n) (-inf when empty). NaN lanes are skipped;
+// *nan (when given) is set if there was one.
 template <class F>
-TENSOR_OPS_VEC_INLINE float vmax(int64_t n, F f) {
+TENSOR_OPS_VEC_INLINE float vmax(int64_t n, F f, bool* nan = nullptr) {
   vf m0 = splat<vf>(-__builtin_inff()), m1 = m0;
+  vu bad = {};
   int64_t i = 0;
   for (; i + 2 * kVW <= n; i += 2 * kVW) {
     const vf a = f(i, Full{}), b = f(i + kVW, Full{});
     m0 = max_t(a, m0);
     m1 = max_t(b, m1);
+    if (nan) bad |= (vu)(a != a) | (vu)(b != b);
   }
-  for (; i + kVW <= n; i += kVW) m0 = max_t(f(i, Full{}), m0);
+  for (; i + kVW <= n; i += kVW) {
+    const vf a = f(i, Full{});
+    m0 = max_t(a, m0);
+    if (nan) bad |= (vu)(a != a);
+  }
   if (i < n) {
     const Part p{int(n - i)};
-    m1 = max_t(p.keep(f(i, p), -__builtin_inff()), m1);
+    const vf a = p.keep(f(i, p), -__builtin_inff());
+    m1 = max_t(a, m1);
+    if (nan) bad |= (vu)(a != a);
   }
   m0 = max_t(m1, m0);
   float r = m0[0];
-  for (int j = 1; j < kVW; ++j) r = m0[j] > r ? m0[j] : r;
+  uint32_t any = bad[0];
+  for (int j = 1; j < kVW; ++j) {
+    r = m0[j] > r ? m0[j] : r;
+    any |= bad[j];
+  }
+  if (nan) *nan = any != 0;
   return r;
 }
 

@@ -177,13 +177,17 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
       valid = i + cols - lq + 1;
       valid = valid < 0 ? 0 : (valid > cols ? cols : valid);
     }
-    // Pass 1 reads x; the others find the row in cache. A NaN in x is
-    // skipped by the max but propagates through the sum.
+    // Pass 1 reads x; the others find the row in cache. A row holding a NaN,
+    // or whose max is infinite, is all NaN (as the sum would make it: inf -
+    // inf); the others have x - m <= 0 and take exp_nonpos_t.
     const void* xr = row_of<D>(x, r);
     char* yr = static_cast<char*>(row_of_mut<D>(y, r));
-    const float m = vmax(valid, [&](int64_t i, auto a) { return ldx<D>(xr, i, a) * scale; });
-    if (valid > 0 && log) {
-      const double sum = vsum(valid, [&](int64_t i, auto a) { return exp_t<vf, true>(ldx<D>(xr, i, a) * scale - m); });
+    bool nan = false;
+    const float m = vmax(valid, [&](int64_t i, auto a) { return ldx<D>(xr, i, a) * scale; }, &nan);
+    if (valid > 0 && (nan || m - m != 0.0f)) {
+      vmapx<D>(yr, valid, nt, [&](int64_t, auto) { return splat<vf>(__builtin_nanf("")); });
+    } else if (valid > 0 && log) {
+      const double sum = vsum(valid, [&](int64_t i, auto a) { return exp_nonpos_t(ldx<D>(xr, i, a) * scale - m); });
       // (v - m) - log(sum), not v - (m + log(sum)): near the float limit
       // m + log(sum) rounds log(sum) away.
       const float ls = float(__builtin_log(sum));
@@ -194,7 +198,7 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
       const char* next = r + 1 < r1 ? static_cast<const char*>(row_of<D>(x, r + 1)) : nullptr;
       const double sum = vsum(valid, [&](int64_t i, auto a) {
         if (next) prefetch(next + i * item);
-        const vf e = exp_t<vf, true>(ldx<D>(xr, i, a) * scale - m);
+        const vf e = exp_nonpos_t(ldx<D>(xr, i, a) * scale - m);
         a.st(v + i, e);
         return e;
       });

@@ -88,31 +88,47 @@ TENSOR_OPS_VEC_INLINE T abs_t(T x) {
   return from_bits(as_bits(x) & 0x7fffffffu);
 }
 
-// e^x, relative error < 2.2e-7 on [-87.3, 88.3] (Cody-Waite reduction as Cephes
-// expf, a shorter polynomial); inputs outside are clamped,
-// NaN stays NaN. The integer exponent is read from the bits of the rounding
-// sum rather than by a float-to-int conversion (undefined for NaN), and the
-// whole body is select-only, so it runs on vf lanes as well as scalars.
-// NonPositive: the caller guarantees x <= 0 (or a rounding error above, or
-// NaN), as softmax's x - max does: the upper clamp is skipped.
-template <class T, bool NonPositive = false>
+// e^r for |r| <= ln2/2: 1 + r + r^2 q(r) with q of degree 3, fitted for
+// relative error (1.1e-7 in exact arithmetic; Cephes' degree-5 q is more
+// than float needs), by Estrin's scheme: the activations are bound by this
+// chain's latency.
+template <class T>
+TENSOR_OPS_VEC_INLINE T exp_poly_t(T r) {
+  const T r2 = r * r;
+  const T q = (1.666711122e-01f * r + 4.999923110e-01f) + (8.312801830e-03f * r + 4.189020768e-02f) * r2;
+  return q * r2 + (r + 1.0f);
+}
+
+// e^x, relative error < 2.2e-7 on [-87.3, 88.3] (Cody-Waite reduction as
+// Cephes expf, exp_poly_t); inputs outside are clamped, NaN stays NaN. The
+// integer exponent is read from the bits of the rounding sum rather than by
+// a float-to-int conversion (undefined for NaN), and the whole body is
+// select-only, so it runs on vf lanes as well as scalars.
+template <class T>
 TENSOR_OPS_VEC_INLINE T exp_t(T x) {
   // max then min, each in the operand order that hands a NaN x through.
-  const T lo = max_t(splat<T>(-87.3f), x);
-  const T xc = NonPositive ? lo : min_t(splat<T>(88.3f), lo);
+  const T xc = min_t(splat<T>(88.3f), max_t(splat<T>(-87.3f), x));
   const T t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
   const T n = t - 12582912.0f;
   T r = xc - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  // e^r = 1 + r + r^2 q(r) with q of degree 3, fitted for relative error on
-  // |r| <= ln2/2 (1.1e-7 in exact arithmetic, 2.1e-7 evaluated in float
-  // over [-87, 88]; Cephes' degree-5 q is more than float needs), by
-  // Estrin's scheme: the activations are bound by this chain's latency.
-  const T r2 = r * r;
-  const T q = (1.666711122e-01f * r + 4.999923110e-01f) + (8.312801830e-03f * r + 4.189020768e-02f) * r2;
-  const T p = q * r2 + (r + 1.0f);
   const auto ni = as_bits(t) - 0x4B400000u;  // n, two's complement in the low bits
-  return p * from_bits((ni + 127u) << 23);
+  return exp_poly_t(r) * from_bits((ni + 127u) << 23);
+}
+
+// e^x for x <= 0 (a rounding error above is fine) and not NaN: softmax's
+// x - max, whose caller sends rows with a NaN or an infinite max elsewhere.
+// Three operations fewer than exp_t: no upper clamp; a one-step reduction
+// (ln2 rounded to float adds at most 2.4e-7 relative error, at n = -125);
+// and 2^n applied by adding n to the exponent bits, which the clamp at
+// -86.5 keeps a normal number (anything below stands as e^-86.5 = 2.7e-38).
+template <class T>
+TENSOR_OPS_VEC_INLINE T exp_nonpos_t(T x) {
+  const T xc = max_t(splat<T>(-86.5f), x);
+  const T t = xc * 1.44269504088896341f + 12582912.0f;
+  const T r = xc - (t - 12582912.0f) * 0.693147182464599609375f;
+  // (bits(t) << 23) is n << 23: 1.5 * 2^23's low 9 bits are zero.
+  return from_bits(as_bits(exp_poly_t(r)) + (as_bits(t) << 23));
 }
 
 template <class T>
