@@ -195,10 +195,10 @@ Split split_of(const to_op_call& c) {
   const int64_t item = int64_t(dtype_size(dt_of(x)));
   const int64_t rows = x.shape[0], cols = x.ndim > 1 ? x.shape[1] : 1;
   switch (OpId(c.op)) {
-    case OpId::layer_norm: return {rows, cols * item * 2, 3 * cols};
+    case OpId::layer_norm: return {rows, cols * item * 2, 2 * cols};
     case OpId::rms_norm_backward:
     case OpId::layer_norm_backward: return {rows, cols * item * 3, 5 * cols};
-    case OpId::add_rms_norm: return {rows, cols * item * 4, 3 * cols};
+    case OpId::add_rms_norm: return {rows, cols * item * 4, 2 * cols};
     case OpId::softmax:
     case OpId::cross_entropy: return {rows, cols * item * 2, cols};
     case OpId::softmax_backward: return {rows, cols * item * 3, 2 * cols};

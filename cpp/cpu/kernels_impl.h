@@ -97,30 +97,6 @@ struct Part {
   }
 };
 
-// dst[i..] = f(i, access) for [0, n), a register at a time, written from
-// registers (no staging buffer). nt: streaming stores, with the body aligned
-// for them (dst holds floats, so it is 4-byte aligned).
-template <class F>
-TENSOR_OPS_VEC_INLINE void vmap(float* dst, int64_t n, bool nt, F f) {
-  int64_t i = 0;
-#ifdef TENSOR_OPS_HAVE_STREAM
-  if (nt) {
-    const int64_t mis = int64_t(reinterpret_cast<uintptr_t>(dst) / 4) % kVW;
-    if (mis && n > 0) {
-      const Part a{int(min64(n, kVW - mis))};
-      a.st(dst, f(int64_t(0), a));
-      i = a.n;
-    }
-    for (; i + kVW <= n; i += kVW) vstream(dst + i, f(i, Full{}));
-  }
-#endif
-  for (; i + kVW <= n; i += kVW) vstore(dst + i, f(i, Full{}));
-  if (i < n) {
-    const Part a{int(n - i)};
-    a.st(dst + i, f(i, a));
-  }
-}
-
 // Sum of f(i, access) over [0, n): fp32 lanes within a block of kBlock
 // elements, double across blocks (long rows keep their precision).
 template <class F>
@@ -254,49 +230,51 @@ TENSOR_OPS_VEC_INLINE vf round_to(vf v) {
   else return widen<D>(narrow<D>(v));
 }
 
-// vmap for a row of D: row[i..] = f(i, access) over [0, n), narrowed in
-// registers; nt: streaming stores for the aligned body where the ISA has
-// them for that width.
+// Streaming store of a whole register of D at element i (aligned for it);
+// a plain store where the ISA has no streaming store of that width.
+template <DType D>
+TENSOR_OPS_VEC_INLINE void streamx(void* row, int64_t i, vf v) {
+  if constexpr (D == DType::Float32) {
+    vstream(static_cast<float*>(row) + i, v);
+  } else {
+    uint16_t* p = static_cast<uint16_t*>(row) + i;
+#if defined(__AVX512F__)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), (__m256i)narrow<D>(v));
+#elif defined(__AVX__)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), (__m128i)narrow<D>(v));
+#else
+    hstore(p, narrow<D>(v), Full{});
+#endif
+  }
+}
+
+// row[i..] = f(i, access) over [0, n) for a row of D, a register at a time,
+// written from registers (16-bit narrowed there; no staging buffer). nt:
+// streaming stores, with the body aligned for them (a partial register
+// first; the row is aligned to its element size).
 template <DType D, class F>
 TENSOR_OPS_VEC_INLINE void vmapx(void* row, int64_t n, bool nt, F f) {
-  if constexpr (D == DType::Float32) {
-    vmap(static_cast<float*>(row), n, nt, f);
-  } else {
-    uint16_t* dst = static_cast<uint16_t*>(row);
-    int64_t i = 0;
-#if defined(__AVX__)
-    if (nt) {
-      const int64_t mis = int64_t(reinterpret_cast<uintptr_t>(dst) / 2) % kVW;  // 2-byte aligned
-      if (mis && n > 0) {
-        const Part a{int(min64(n, kVW - mis))};
-        hstore(dst, narrow<D>(f(int64_t(0), a)), a);
-        i = a.n;
-      }
-      for (; i + kVW <= n; i += kVW) {
-#if defined(__AVX512F__)
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)narrow<D>(f(i, Full{})));
-#else
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), (__m128i)narrow<D>(f(i, Full{})));
-#endif
-      }
+  int64_t i = 0;
+  if (nt) {
+    const int64_t mis = int64_t(reinterpret_cast<uintptr_t>(row) / dtype_size(D)) % kVW;
+    if (mis && n > 0) {
+      const Part a{int(min64(n, kVW - mis))};
+      stx<D>(row, 0, f(int64_t(0), a), a);
+      i = a.n;
     }
-#endif
-    for (; i + kVW <= n; i += kVW) hstore(dst + i, narrow<D>(f(i, Full{})), Full{});
-    if (i < n) {
-      const Part a{int(n - i)};
-      hstore(dst + i, narrow<D>(f(i, a)), a);
-    }
+    for (; i + kVW <= n; i += kVW) streamx<D>(row, i, f(i, Full{}));
+  }
+  for (; i + kVW <= n; i += kVW) stx<D>(row, i, f(i, Full{}), Full{});
+  if (i < n) {
+    const Part a{int(n - i)};
+    stx<D>(row, i, f(i, a), a);
   }
 }
 
 // Row r's first element of a 2-D view.
 template <DType D>
-TENSOR_OPS_VEC_INLINE const void* row_of(const to_tensor& t, int64_t r) {
-  return static_cast<const char*>(t.data) + r * t.strides[0] * (D == DType::Float32 ? 4 : 2);
-}
-template <DType D>
-TENSOR_OPS_VEC_INLINE void* row_of_mut(const to_tensor& t, int64_t r) {
-  return static_cast<char*>(t.data) + r * t.strides[0] * (D == DType::Float32 ? 4 : 2);
+TENSOR_OPS_VEC_INLINE char* row_of(const to_tensor& t, int64_t r) {
+  return static_cast<char*>(t.data) + r * t.strides[0] * int64_t(dtype_size(D));
 }
 
 // Software prefetch of the cache line holding p (the next row, while the
@@ -347,7 +325,7 @@ inline void store_f32(const float* src, void* dst, int64_t n) {
 template <DType D>
 void rms_norm_t(const void* x, int64_t xs, const float* w, void* y, int64_t ys, int64_t r0, int64_t r1,
                 int64_t cols, float eps, bool nt) {
-  constexpr int64_t item = D == DType::Float32 ? 4 : 2;
+  constexpr int64_t item = dtype_size(D);
   for (int64_t r = r0; r < r1; ++r) {
     const void* xr = static_cast<const char*>(x) + r * xs * item;
     void* yr = static_cast<char*>(y) + r * ys * item;

@@ -34,7 +34,7 @@ inline void put(const float* src, void* base, int64_t off, int64_t n, bool nt) {
     st<D>(src, base, off, n);
     return;
   }
-  constexpr int64_t item = D == DType::Float32 ? 4 : 2;
+  constexpr int64_t item = dtype_size(D);
   alignas(64) uint16_t tmp[kBlock];
   for (int64_t c = 0; c < n; c += kBlock) {
     const int64_t m = min64(kBlock, n - c);
@@ -68,8 +68,6 @@ inline float dot_short(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-inline const char* row_ptr(const to_tensor& t) { return static_cast<const char*>(t.data); }
-
 // ---- norms ----------------------------------------------------------------
 
 // scratch: weight | bias (fp32)
@@ -77,7 +75,7 @@ template <DType D>
 int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &x = c.inputs[0], &w = c.inputs[1], &b = c.inputs[2], &y = c.outputs[0];
   const int64_t cols = x.shape[1];
-  float *wf = scratch + cols, *bf = scratch + 2 * cols;
+  float *wf = scratch, *bf = scratch + cols;
   ld<D>(w.data, 0, cols, wf);
   if (c.ints[0]) ld<D>(b.data, 0, cols, bf);
   else
@@ -93,7 +91,7 @@ int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
                        }) /
                        double(cols);
     const float rstd = float(1.0 / __builtin_sqrt(var + double(eps)));
-    vmapx<D>(row_of_mut<D>(y, r), cols, c.ints[7],
+    vmapx<D>(row_of<D>(y, r), cols, c.ints[7],
              [&](int64_t i, auto a) { return (ldx<D>(xr, i, a) - mean) * rstd * a.ld(wf + i) + a.ld(bf + i); });
   }
   return 0;
@@ -138,7 +136,7 @@ int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) 
   const to_tensor &x = c.inputs[0], &res = c.inputs[1], &w = c.inputs[2], &y = c.outputs[0],
                   &ro = c.outputs[1];
   const int64_t cols = x.shape[1];
-  float *a = scratch, *wf = scratch + 2 * cols;
+  float *a = scratch, *wf = scratch + cols;
   ld<D>(w.data, 0, cols, wf);
   const double eps = c.scalars[0];
   const bool nt = c.ints[7];
@@ -151,9 +149,9 @@ int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) 
       p.st(a + i, s);
       return s * s;
     });
-    vmapx<D>(row_of_mut<D>(ro, r), cols, nt, [&](int64_t i, auto p) { return p.ld(a + i); });
+    vmapx<D>(row_of<D>(ro, r), cols, nt, [&](int64_t i, auto p) { return p.ld(a + i); });
     const float scale = float(1.0 / __builtin_sqrt(ss / double(cols) + eps));
-    vmapx<D>(row_of_mut<D>(y, r), cols, nt, [&](int64_t i, auto p) { return p.ld(a + i) * scale * p.ld(wf + i); });
+    vmapx<D>(row_of<D>(y, r), cols, nt, [&](int64_t i, auto p) { return p.ld(a + i) * scale * p.ld(wf + i); });
   }
   return 0;
 }
@@ -168,7 +166,7 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const bool causal = c.ints[0], log = c.ints[1], nt = c.ints[7];
   const int64_t lq = c.ints[2] > 0 ? c.ints[2] : 1;
   const float masked = log ? -__builtin_inff() : 0.0f;
-  constexpr int64_t item = D == DType::Float32 ? 4 : 2;
+  constexpr int64_t item = dtype_size(D);
   float* v = scratch;
   for (int64_t r = r0; r < r1; ++r) {
     int64_t valid = cols;
@@ -181,10 +179,10 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
     // or whose max is infinite, is all NaN (as the sum would make it: inf -
     // inf); the others have x - m <= 0 and take exp_nonpos_t.
     const void* xr = row_of<D>(x, r);
-    char* yr = static_cast<char*>(row_of_mut<D>(y, r));
+    char* yr = row_of<D>(y, r);
     bool nan = false;
     const float m = vmax(valid, [&](int64_t i, auto a) { return ldx<D>(xr, i, a) * scale; }, &nan);
-    if (valid > 0 && (nan || m - m != 0.0f)) {
+    if (valid > 0 && (nan || !__builtin_isfinite(m))) {
       vmapx<D>(yr, valid, nt, [&](int64_t, auto) { return splat<vf>(__builtin_nanf("")); });
     } else if (valid > 0 && log) {
       const double sum = vsum(valid, [&](int64_t i, auto a) { return exp_nonpos_t(ldx<D>(xr, i, a) * scale - m); });
@@ -195,7 +193,7 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
     } else if (valid > 0) {
       // v = exp(scale x - m) and its sum in one pass (compute-bound: the
       // next row is prefetched meanwhile); y = v / sum from registers.
-      const char* next = r + 1 < r1 ? static_cast<const char*>(row_of<D>(x, r + 1)) : nullptr;
+      const char* next = r + 1 < r1 ? row_of<D>(x, r + 1) : nullptr;
       const double sum = vsum(valid, [&](int64_t i, auto a) {
         if (next) prefetch(next + i * item);
         const vf e = exp_nonpos_t(ldx<D>(xr, i, a) * scale - m);
@@ -316,7 +314,7 @@ int glu_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
   for_spans(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t n) {
     // Read and written in registers (16-bit widened and narrowed there).
     // out may be gate or up itself (each register is read before it is written).
-    constexpr int64_t item = D == DType::Float32 ? 4 : 2;
+    constexpr int64_t item = dtype_size(D);
     const void* gp = static_cast<const char*>(c.inputs[0].data) + o0 * item;
     const void* up = static_cast<const char*>(c.inputs[1].data) + o1 * item;
     void* yp = static_cast<char*>(c.outputs[0].data) + oy * item;

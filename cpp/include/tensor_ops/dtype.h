@@ -17,7 +17,7 @@ enum class DType : int32_t {
   Int64 = TO_INT64,
 };
 
-inline size_t dtype_size(DType t) {
+constexpr size_t dtype_size(DType t) {
   switch (t) {
     case DType::Float16:
     case DType::BFloat16: return 2;
