@@ -108,13 +108,6 @@ def rms_norm(x, weight, eps: float = 1e-6, *, out=None):
 
 def silu(x, *, out=None):
     """x * sigmoid(x)."""
-    if out is None and type(x) is _ndarray and x.dtype in _FAST_NP and x.nbytes < _POOL_BYTES:  # _unary's, inline
-        fast = _np_empty(x.shape, x.dtype)
-        try:
-            _C.silu(x, fast)
-            return fast
-        except _LayoutError:
-            pass
     return _unary(_C.silu, x, out)
 
 

@@ -275,10 +275,11 @@ def call(fn, args: list[Arg], out, *extra):
     return out
 
 
-# Fast path for the common call: a numpy float32/float16 array (or a torch
-# tensor that needs no grad) and no out=. It skips the generic argument
-# handling (about 5-8 us of Python per call); anything unusual, or a layout
-# the core refuses, takes the general path.
+# Fast path for the common call: a numpy float32/float16 array (or a host
+# torch tensor that needs no grad) and no out=. It skips the generic argument
+# handling (about 5-8 us of Python per call); anything unusual, device data
+# (whose streams the general path handles), or a layout the core refuses,
+# takes the general path.
 _FAST_NP = (np.dtype(np.float32), np.dtype(np.float16))
 
 
@@ -289,11 +290,6 @@ _FAST_NP = (np.dtype(np.float32), np.dtype(np.float16))
 # float32 4096x4096 array took 15.8 ms with np.empty, 8.8 ms with a pooled
 # output. Below 32 MiB malloc reuses freed memory and is faster than the pool.
 POOL_OUTPUT_BYTES = 32 << 20
-_POOL_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
-
-
-def _pooled_numpy(shape, dtype):
-    return _C.empty(list(shape), _POOL_DTYPES[dtype], "cpu")._host_bits().view(dtype)
 
 
 def fast_out(x):
@@ -302,12 +298,13 @@ def fast_out(x):
     if t is np.ndarray:
         if x.dtype not in _FAST_NP:
             return None
-        return np.empty(x.shape, x.dtype) if x.nbytes < POOL_OUTPUT_BYTES else _pooled_numpy(x.shape, x.dtype)
-    if t.__name__ == "Tensor" and t.__module__ == "torch" and not x.requires_grad:
+        if x.nbytes < POOL_OUTPUT_BYTES:
+            return np.empty(x.shape, x.dtype)
+        return _C.empty(list(x.shape), x.dtype.name, "cpu")._host_bits().view(x.dtype)
+    if t.__name__ == "Tensor" and t.__module__ == "torch" and not x.requires_grad and x.is_cpu:
         torch = sys.modules["torch"]
-        if x.is_cpu and x.nbytes >= POOL_OUTPUT_BYTES and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
-            name = str(x.dtype)[6:]
-            return torch.from_dlpack(_C.empty(list(x.shape), name, "cpu"))
+        if x.nbytes >= POOL_OUTPUT_BYTES and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            return torch.from_dlpack(_C.empty(list(x.shape), str(x.dtype)[len("torch."):], "cpu"))
         # empty_like: ~1.2 us against new_empty's ~2.8 us (strides kept for
         # a dense permuted input: a layout the core refuses takes the general path)
         return torch.empty_like(x)
@@ -316,9 +313,9 @@ def fast_out(x):
 
 def fast_call(fn, x, peers, n_out, *extra):
     """fn(x, *peers, *outputs, *extra) on the fast path: x qualifies for
-    fast_out, is on the host, and every peer array is of x's type and dtype
-    (and needs no grad). Returns the output (a tuple for n_out > 1), or None
-    to take the general path."""
+    fast_out and every peer array is of x's type and dtype (and needs no
+    grad). Returns the output (a tuple for n_out > 1), or None to take the
+    general path."""
     o = fast_out(x)
     if o is None:
         return None
@@ -326,8 +323,6 @@ def fast_call(fn, x, peers, n_out, *extra):
     for p in peers:
         if type(p) is not t or p.dtype != dt or (t is not np.ndarray and p.requires_grad):
             return None
-    if t is not np.ndarray and x.device.type != "cpu":
-        return None
     outs = (o,) if n_out == 1 else (o,) + tuple(fast_out(x) for _ in range(n_out - 1))
     try:
         fn(x, *peers, *outs, *extra)
