@@ -81,7 +81,27 @@ struct TorchTypes {
   PyObject* bf16 = nullptr;
   PyObject* i32 = nullptr;
   PyObject* i64 = nullptr;
+  PyObject* strided = nullptr;
 };
+
+// Note [lazy torch state]
+// torch tensors may carry state applied only when torch reads them: the
+// negative and conjugate bits (z.conj().imag, torch._neg_view), and layouts
+// whose data_ptr is not the values (sparse, nested). Reading the memory as it
+// is would give a silently wrong answer. The bits raise LayoutError, which the
+// op layer answers by resolving them (a copy) before the call; the layouts
+// raise UnsupportedError.
+void refuse_lazy_torch_state(nb::handle h, PyObject* strided) {
+  nb::object layout = h.attr("layout");
+  if (layout.ptr() != strided)
+    throw Unsupported("torch tensors with layout " + std::string(nb::str(layout).c_str()) +
+                      " are not supported; pass a dense tensor (x.to_dense())");
+  if (nb::cast<bool>(h.attr("is_nested")))
+    throw Unsupported("nested torch tensors are not supported; pass a dense tensor (x.to_padded_tensor(0.0))");
+  if (nb::cast<bool>(h.attr("is_neg")()) || nb::cast<bool>(h.attr("is_conj")()))
+    throw LayoutError("a torch tensor with the negative or conjugate bit set (a lazy view) must be resolved "
+                      "first (x.resolve_neg().resolve_conj())");
+}
 
 const TorchTypes* torch_types() {
   static TorchTypes types;  // references kept for the process (torch is never unloaded)
@@ -96,6 +116,7 @@ const TorchTypes* torch_types() {
   types.bf16 = nb::object(t.attr("bfloat16")).release().ptr();
   types.i32 = nb::object(t.attr("int32")).release().ptr();
   types.i64 = nb::object(t.attr("int64")).release().ptr();
+  types.strided = nb::object(t.attr("strided")).release().ptr();
   types.tensor = nb::object(t.attr("Tensor")).release().ptr();
   return &types;
 }
@@ -103,6 +124,7 @@ const TorchTypes* torch_types() {
 bool torch_cpu_tensor(nb::handle h, Tensor& out) {
   const TorchTypes* tt = torch_types();
   if (!tt || !PyObject_TypeCheck(h.ptr(), reinterpret_cast<PyTypeObject*>(tt->tensor))) return false;
+  refuse_lazy_torch_state(h, tt->strided);
   if (!nb::cast<bool>(h.attr("is_cpu"))) return false;
   nb::object dt = h.attr("dtype");
   DType d;

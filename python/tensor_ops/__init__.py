@@ -6,7 +6,7 @@ return the caller's kind of array. Host arrays run on the selected backend
 """
 from __future__ import annotations
 
-from . import _C
+from . import _C, _checks
 from ._arrays import Arg, call, empty_like
 from .backends import (
     BackendStatus,
@@ -41,7 +41,7 @@ from .errors import (
     UnsupportedError,
 )
 # The seed guides' API: named tensor pools, hardware detection, configuration.
-from .errors import CUDANotAvailableError, KernelLaunchError, MemoryAllocationError
+from .errors import ArgumentTypeError, CUDANotAvailableError, KernelLaunchError, MemoryAllocationError
 from .pools import allocate_tensor, clear_pool, get_memory_stats, pool_stats, return_to_pool, set_pool_limits
 from .hardware import HardwareDetector, HardwareProfile, HardwareType, backend_info, detect_hardware
 from .config import TensorOpsConfig, configure, get_config
@@ -99,11 +99,10 @@ def rms_norm(x, weight, eps: float = 1e-6, *, out=None):
             except _LayoutError:
                 pass
     a, w = Arg(x, "x"), Arg(weight, "weight")
-    if isinstance(eps, (str, bytes)) or not hasattr(eps, "__float__"):
-        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+    eps = _checks.real("eps", eps, nonneg=True)
     if out is None:
         out = empty_like(a)
-    return call(_C.rms_norm, [a, w], out, float(eps))
+    return call(_C.rms_norm, [a, w], out, eps)
 
 
 def silu(x, *, out=None):
@@ -113,9 +112,7 @@ def silu(x, *, out=None):
 
 def gelu(x, approximate: str = "none", *, out=None):
     """GELU: approximate="none" uses erf, "tanh" the tanh approximation."""
-    if not isinstance(approximate, str):
-        raise TypeError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-    return _unary(_C.gelu, x, out, approximate)
+    return _unary(_C.gelu, x, out, _checks.choice("approximate", approximate, ("none", "tanh")))
 
 
 # Every op routes XLA arrays (jax, torch_xla) to the XLA shim, and host arrays
@@ -150,6 +147,7 @@ __all__ = _ops_all + [
     "TensorOpsError",
     "InvalidArgumentError",
     "DTypeError",
+    "ArgumentTypeError",
     "UnsupportedError",
     "BackendUnavailableError",
     "OutOfMemoryError",

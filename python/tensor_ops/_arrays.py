@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from . import _C
-from .errors import DTypeError, InvalidArgumentError, LayoutError
+from .errors import ArgumentTypeError, DTypeError, InvalidArgumentError, LayoutError, UnsupportedError
 
 _BF16_NAME = "bfloat16"
 
@@ -117,6 +117,65 @@ def _framework_stream(value, kind: str, dev_id: int):
     return None
 
 
+# numpy dtypes the core reads: the float types, and int32 / int64 indices.
+# uint16 is not among them: it is how the core gets bfloat16 bits, so a real
+# uint16 array would be read as bfloat16 beside a bfloat16 peer.
+_NUMPY_KINDS = {"f": (2, 4), "i": (4, 8)}
+
+
+def check_numpy_dtype(dt, name: str) -> None:
+    """Raises DTypeError naming dt unless the core can read it: native byte
+    order float16 / float32 / int32 / int64, or ml_dtypes' bfloat16."""
+    if is_bf16(dt):
+        return
+    if dt.fields is not None or dt.subdtype is not None:
+        raise DTypeError(f"{name} has the structured dtype {dt}; tensor_ops takes float32, float16 or bfloat16 "
+                         "arrays (int32 / int64 for indices)")
+    if dt.itemsize in _NUMPY_KINDS.get(dt.kind, ()):
+        if not dt.isnative:
+            raise DTypeError(f"{name} has the byte-swapped dtype {dt.str} ({dt.name}, non-native byte order); "
+                             f"convert it with .astype({dt.name!r})")
+        return
+    hint = "; a uint16 array is not read as bfloat16: use ml_dtypes.bfloat16" if dt == np.uint16 else ""
+    raise DTypeError(f"{name} has dtype {dt} ({dt.str}); tensor_ops takes float32, float16 or bfloat16 arrays "
+                     f"(int32 / int64 for indices){hint}")
+
+
+def check_torch(t, name: str):
+    """t as the core may read it: lazy negation / conjugation resolved (Note
+    [lazy torch state] in convert.cpp), layouts the core cannot read refused."""
+    torch = _torch()
+    if t.layout is not torch.strided:
+        raise UnsupportedError(f"{name}: torch tensors with layout {t.layout} are not supported "
+                               f"(shape {tuple(t.shape)}, dtype {t.dtype}); pass {name}.to_dense()")
+    if t.is_nested:
+        raise UnsupportedError(f"{name}: nested torch tensors are not supported (dtype {t.dtype}); "
+                               f"pass {name}.to_padded_tensor(0.0)")
+    if t.is_quantized:
+        raise DTypeError(f"{name}: quantized torch tensors ({t.dtype}) are not supported; dequantize first")
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_neg().resolve_conj()
+    return t
+
+
+def check_out(o, name: str = "out"):
+    """Refuses outputs whose contents torch would not read back as written,
+    or that would silently cut the autograd graph."""
+    if isinstance(o, np.ndarray):
+        if o.dtype == np.uint16:
+            raise DTypeError(f"{name} has dtype uint16 (shape {o.shape}); a bfloat16 output must be an "
+                             "ml_dtypes.bfloat16 array")
+        check_numpy_dtype(o.dtype, name)
+    elif is_torch(o):
+        if o.requires_grad:
+            raise InvalidArgumentError(f"{name}= does not support automatic differentiation, but {name} "
+                                       f"(shape {tuple(o.shape)}, dtype {o.dtype}) requires grad")
+        if o.is_neg() or o.is_conj():
+            raise InvalidArgumentError(f"{name} (shape {tuple(o.shape)}, dtype {o.dtype}) has the negative or "
+                                       "conjugate bit set: writing into a lazy view would store negated values")
+        check_torch(o, name)
+
+
 class Arg:
     """One array argument as the core sees it."""
 
@@ -129,19 +188,20 @@ class Arg:
             if is_bf16(value.dtype):  # ml_dtypes.bfloat16: pass the bits
                 self.array, self.bf16_view = value.view(np.uint16), True
             else:
+                check_numpy_dtype(value.dtype, name)
                 self.array, self.bf16_view = value, False
         elif isinstance(value, _C.Tensor):
             self.kind = "tensor_ops"
             self.array, self.bf16_view = value, False
         elif is_torch(value):
             self.kind = "torch"
-            self.array = value.detach() if value.requires_grad else value
+            self.array = check_torch(value.detach() if value.requires_grad else value, name)
             self.bf16_view = False
         elif hasattr(value, "__dlpack__"):
             self.kind = "dlpack"
             self.array, self.bf16_view = value, False
         else:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{name} must be an array (numpy.ndarray, torch.Tensor or a DLPack producer), "
                 f"got {type(value).__name__}"
             )
@@ -243,6 +303,8 @@ def run(fn, args: list[Arg], outs: list, *extra):
     for o in outs:
         if isinstance(o, np.ndarray) and not o.flags.writeable:
             raise InvalidArgumentError(f"output is a read-only numpy array (shape {o.shape}, dtype {o.dtype})")
+        if o is not None:
+            check_out(o, "output")
     outs_n = [native(o) for o in outs]
     streams = _Streams(args, outs_n)
     try:
@@ -260,6 +322,7 @@ def call(fn, args: list[Arg], out, *extra):
     bf16 = any(a.bf16_view for a in args)
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise InvalidArgumentError(f"out is a read-only numpy array (shape {out.shape}, dtype {out.dtype})")
+    check_out(out)
     out_arr = out.view(np.uint16) if isinstance(out, np.ndarray) and is_bf16(out.dtype) else out
     if bf16 and not (isinstance(out_arr, np.ndarray) and out_arr.dtype == np.uint16):
         raise DTypeError("a numpy bfloat16 input needs a numpy bfloat16 out")
@@ -303,6 +366,8 @@ def fast_out(x):
         return _C.empty(list(x.shape), x.dtype.name, "cpu")._host_bits().view(x.dtype)
     if t.__name__ == "Tensor" and t.__module__ == "torch" and not x.requires_grad and x.is_cpu:
         torch = sys.modules["torch"]
+        if x.layout is not torch.strided or x.is_nested:
+            return None  # the general path words the refusal
         if x.nbytes >= POOL_OUTPUT_BYTES and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
             return torch.from_dlpack(_C.empty(list(x.shape), str(x.dtype)[len("torch."):], "cpu"))
         # empty_like: ~1.2 us against new_empty's ~2.8 us (strides kept for

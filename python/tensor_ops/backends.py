@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 from . import _C
 from . import _xla_route as _route
 from . import xla as _xla
-from .errors import BackendUnavailableError
+from .errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError
 
 # The XLA shim's names are the Python layer's: the core accepts them in
 # TENSOR_OPS_BACKEND / TENSOR_OPS_PRIORITY and leaves those arrays to us.
@@ -123,17 +123,26 @@ def set_backend(name: str | None) -> None:
     """Selects the backend for host arrays; None or "auto" restores automatic
     selection. "xla" / "tpu" select the XLA shim (tensor_ops.xla). Unknown or
     unusable names raise."""
-    name = "auto" if name is None else str(name)
+    name = "auto" if name is None else _backend_name(name)
     if _route.is_name(name):
         _require_shim(name)
     _C.set_backend(name)
+
+
+def _backend_name(name) -> str:
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"a backend name must be a str, got {type(name).__name__} {name!r}")
+    if not name.strip():
+        raise InvalidArgumentError(f"a backend name must not be empty, got {name!r}; "
+                                   "use None or 'auto' for automatic selection")
+    return name
 
 
 @contextlib.contextmanager
 def use(name: str) -> Iterator[str]:
     """`with tensor_ops.use("cpu"):` runs host arrays on that backend in this
     thread for the block ("xla" / "tpu": on the XLA shim)."""
-    name = str(name)
+    name = _backend_name(name)
     if _route.is_name(name):
         _require_shim(name)
     _C.push_scope(name)

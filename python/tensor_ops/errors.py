@@ -13,6 +13,11 @@ class DTypeError(TensorOpsError, TypeError):
     """A dtype tensor_ops does not take, or dtypes that do not match."""
 
 
+class ArgumentTypeError(TensorOpsError, TypeError):
+    """An argument of the wrong Python type (a str for a number, a float for
+    an integer, a list for an array)."""
+
+
 class LayoutError(InvalidArgumentError):
     """A strided layout the kernels cannot take as is (the op layer retries
     with a contiguous copy for inputs)."""
@@ -55,6 +60,7 @@ __all__ = [
     "TensorOpsError",
     "InvalidArgumentError",
     "DTypeError",
+    "ArgumentTypeError",
     "LayoutError",
     "UnsupportedError",
     "BackendUnavailableError",

@@ -8,7 +8,8 @@ from typing import Dict, Sequence
 import numpy as np
 
 from . import _C
-from ._arrays import consumer_stream
+from . import _checks
+from ._arrays import check_numpy_dtype, consumer_stream
 
 Tensor = _C.Tensor
 
@@ -59,7 +60,7 @@ def reset_peak_memory_stats(device=None) -> None:
 
 def empty(shape: Sequence[int], dtype="float32", device=None) -> Tensor:
     """An uninitialised Tensor from the device's pool."""
-    return _C.empty([int(s) for s in _shape(shape)], dtype_name(dtype), _device(device))
+    return _C.empty(list(_checks.shape("shape", shape)), dtype_name(dtype), _device(device))
 
 
 def zeros(shape: Sequence[int], dtype="float32", device=None) -> Tensor:
@@ -73,20 +74,18 @@ def allocate_with_oom_protection(shape: Sequence[int], dtype="float32", safety_m
     """empty() that first checks shape x itemsize x safety_margin against the
     device's free memory plus the pool cache; on failure frees the cache and
     retries once, then raises OutOfMemoryError with the numbers."""
-    return _C.empty([int(s) for s in _shape(shape)], dtype_name(dtype), _device(device), float(safety_margin))
+    margin = _checks.real("safety_margin", safety_margin, nonneg=True)
+    return _C.empty(list(_checks.shape("shape", shape)), dtype_name(dtype), _device(device), margin)
 
 
 def from_numpy(array, device=None) -> Tensor:
     """A Tensor on `device` holding a copy of a host array (numpy, or any
     host DLPack producer)."""
     a = np.ascontiguousarray(array)
+    check_numpy_dtype(a.dtype, "array")
     if a.dtype.name == "bfloat16":
         return _C.from_host(a.view(np.uint16), _device(device), True)
     return _C.from_host(a, _device(device))
-
-
-def _shape(shape):
-    return (shape,) if isinstance(shape, int) else tuple(shape)
 
 
 def _tensor_numpy(self) -> np.ndarray:

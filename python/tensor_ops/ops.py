@@ -8,20 +8,17 @@ import math
 
 import numpy as np
 
-from . import _C
+from . import _C, _checks
 from ._arrays import Arg, empty_like, fast_call, run
+from .errors import InvalidArgumentError
 
 
 def _eps(eps) -> float:
-    if isinstance(eps, (str, bytes)) or not hasattr(eps, "__float__"):
-        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
-    return float(eps)
+    return _checks.real("eps", eps, nonneg=True)
 
 
 def _approx(approximate) -> str:
-    if not isinstance(approximate, str):
-        raise TypeError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-    return approximate
+    return _checks.choice("approximate", approximate, ("none", "tanh"))
 
 
 def layer_norm(x, weight, bias=None, eps: float = 1e-5, *, out=None):
@@ -78,9 +75,10 @@ def _moved(x, dim):
     """x with `dim` moved last, and the function that moves it back."""
     ndim = len(x.shape)
     if ndim == 0:
-        raise ValueError("softmax needs at least 1 dimension, got a 0-d array")
-    if not isinstance(dim, int) or not -ndim <= dim < ndim:
-        raise ValueError(f"dim {dim!r} is out of range for an array of shape {tuple(x.shape)}")
+        raise InvalidArgumentError("softmax needs at least 1 dimension, got a 0-d array")
+    dim = _checks.integer("dim", dim)
+    if not -ndim <= dim < ndim:
+        raise InvalidArgumentError(f"dim {dim} is out of range for an array of shape {tuple(x.shape)}")
     dim %= ndim
     if dim == ndim - 1:
         return x, lambda y: y
@@ -96,12 +94,14 @@ def _softmax(x, dim, scale, causal, log):
         y = fast_call(_C.softmax, x, (), 1, scale, causal, log)
         if y is not None:
             return y
-    if causal and dim not in (-1, len(getattr(x, "shape", ())) - 1):
-        raise ValueError("causal softmax works on the last dim only")
+    Arg(x, "x")  # a TypeError for what is not an array, before its shape is read
+    scale, causal = _checks.real("scale", scale), _checks.flag("causal", causal)
     xm, back = _moved(x, dim)
+    if causal and _checks.integer("dim", dim) % len(x.shape) != len(x.shape) - 1:
+        raise InvalidArgumentError("causal softmax works on the last dim only")
     a = Arg(xm, "x")
     out = empty_like(a)
-    run(_C.softmax, [a], [out], float(scale), bool(causal), log)
+    run(_C.softmax, [a], [out], scale, causal, log)
     return back(out)
 
 
@@ -116,11 +116,13 @@ def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
 
 
 def _softmax_bwd(dy, y, dim, scale, log):
+    Arg(dy, "dy"), Arg(y, "y")
+    scale = _checks.real("scale", scale)
     dym, _ = _moved(dy, dim)
     ym, back = _moved(y, dim)
     g, a = Arg(dym, "dy"), Arg(ym, "y")
     dx = empty_like(a)
-    run(_C.softmax_backward, [g, a], [dx], float(scale), log)
+    run(_C.softmax_backward, [g, a], [dx], scale, log)
     return back(dx)
 
 
@@ -220,7 +222,7 @@ def _rope(x, cos, sin, positions, interleaved, inverse):
     c, s = _cast_table(cos, a, "cos"), _cast_table(sin, a, "sin")
     p = _positions_for(a, positions, shape[1])
     out = empty_like(a)
-    run(_C.rope, [a, c, s, p], [out], bool(interleaved), inverse)
+    run(_C.rope, [a, c, s, p], [out], _checks.flag("interleaved", interleaved), inverse)
     return out
 
 
@@ -237,8 +239,11 @@ def rope_backward(dy, cos, sin, positions=None, interleaved: bool = False):
     return _rope(dy, cos, sin, positions, interleaved, True)
 
 
-def _scale(scale, head_dim):
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+def _scale(scale, shape):
+    if len(shape) != 4 or shape[3] < 1:
+        raise InvalidArgumentError(f"attention: q must be [batch, heads, seq, head_dim] with head_dim >= 1, "
+                                   f"got shape {tuple(shape)}")
+    return 1.0 / math.sqrt(shape[3]) if scale is None else _checks.real("scale", scale)
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None, *, return_lse: bool = False):
@@ -249,11 +254,10 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, *, retu
     needs."""
     aq, ak, av = Arg(q, "q"), Arg(k, "k"), Arg(v, "v")
     shape = tuple(aq.array.shape)
-    if len(shape) != 4:
-        raise ValueError(f"attention: q must be [batch, heads, seq, head_dim], got shape {shape}")
+    scale, causal = _scale(scale, shape), _checks.flag("causal", causal)
     out = empty_like(aq)
     lse = empty_like(aq, shape[:3], "float32")
-    run(_C.attention, [aq, ak, av], [out, lse], bool(causal), _scale(scale, shape[3]))
+    run(_C.attention, [aq, ak, av], [out, lse], causal, scale)
     return (out, lse) if return_lse else out
 
 
@@ -262,8 +266,8 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: flo
     ad, aq, ak, av, ao, al = (Arg(t, n) for t, n in
                               [(dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse")])
     dq, dk, dv = empty_like(aq), empty_like(ak), empty_like(av)
-    run(_C.attention_backward, [ad, aq, ak, av, ao, al], [dq, dk, dv], bool(causal),
-        _scale(scale, tuple(aq.array.shape)[3]))
+    run(_C.attention_backward, [ad, aq, ak, av, ao, al], [dq, dk, dv], _checks.flag("causal", causal),
+        _scale(scale, tuple(aq.array.shape)))
     return dq, dk, dv
 
 
@@ -275,8 +279,8 @@ def _host_values(arg: Arg):
 
 
 def _ce(logits, target, ignore_index, reduction, grad):
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    _checks.choice("reduction", reduction, ("mean", "sum", "none"))
+    ignore_index = _checks.integer("ignore_index", ignore_index)
     lg, tg = Arg(logits, "logits"), Arg(target, "target")
     n_valid = int((_host_values(tg) != ignore_index).sum())
     # The gradient of the reduced loss: mean divides by the rows that count.

@@ -23,7 +23,7 @@ import threading
 import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from . import memory
+from . import _checks, memory
 from .errors import InvalidArgumentError, MemoryAllocationError
 
 POOL_MAX_CACHED_BYTES = 1 << 30  # per named pool
@@ -83,7 +83,7 @@ def allocate_tensor(shape: Sequence[int], dtype="float32", pool_id: str = "defau
     returned there, else allocated from the device's caching pool."""
     dev = memory._device(device if device is not None else _default_device())
     dev = memory._C.parse_device(dev) if dev else memory._C.parse_device("")
-    shape_t = tuple(int(s) for s in memory._shape(shape))
+    shape_t = _checks.shape("shape", shape)
     as_torch = _is_torch_dtype(dtype)
     key = (shape_t, memory.dtype_name(dtype), dev, as_torch)
     with _lock:

@@ -131,3 +131,188 @@ def test_error_classes():
     assert issubclass(tensor_ops.UnsupportedError, NotImplementedError)
     assert issubclass(tensor_ops.BackendUnavailableError, RuntimeError)
     assert issubclass(tensor_ops.OutOfMemoryError, tensor_ops.TensorOpsError)
+
+
+# ---- issue 17: lenient arguments, unclear errors, lazy torch views, uint16 as bf16 ----
+
+def _x():
+    return np.random.default_rng(0).standard_normal((4, 8)).astype(f32)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x: tensor_ops.softmax(x, scale="2"), "scale must be a real number, got str"),
+    (lambda x: tensor_ops.log_softmax(x, scale=None), "scale must be a real number"),
+    (lambda x: tensor_ops.softmax(x, causal="False"), "causal must be a bool, got str"),
+    (lambda x: tensor_ops.softmax(x, causal=1.0), "causal must be a bool"),
+    (lambda x: tensor_ops.softmax(x, dim=1.0), "dim must be an integer, got float"),
+    (lambda x: tensor_ops.softmax_backward(x, x, scale="1"), "scale must be a real number"),
+    (lambda x: tensor_ops.cross_entropy(x, np.zeros(4, np.int64), ignore_index=1.5),
+     "ignore_index must be an integer, got float"),
+    (lambda x: tensor_ops.cross_entropy(x, np.zeros(4, np.int64), reduction=None), "reduction must be one of"),
+    (lambda x: tensor_ops.rms_norm(x, np.ones(8, f32), eps=True), "eps must be a real number, got bool"),
+    (lambda x: tensor_ops.gelu(x, approximate=None), "approximate must be one of"),
+    (lambda x: tensor_ops.attention(x[None, None], x[None, None], x[None, None], causal="yes"),
+     "causal must be a bool"),
+    (lambda x: tensor_ops.attention(x[None, None], x[None, None], x[None, None], scale="0.5"),
+     "scale must be a real number"),
+    (lambda x: tensor_ops.rope(x[None, :, None, :], np.ones((4, 4), f32), np.ones((4, 4), f32), interleaved="no"),
+     "interleaved must be a bool"),
+    (lambda x: tensor_ops.empty((2.5, 4)), r"shape\[0\] must be an integer, got float"),
+    (lambda x: tensor_ops.zeros("4"), "must be an integer, got str"),
+    (lambda x: tensor_ops.empty((-1, 4)), r"shape\[0\] must be >= 0"),
+    (lambda x: tensor_ops.set_backend(""), "must not be empty"),
+    (lambda x: tensor_ops.set_backend(3), "must be a str"),
+])
+def test_strict_arguments(call, match):
+    """Values of the wrong type are refused, not converted (float('2'),
+    int(1.5), bool('False'))."""
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(_x())
+
+
+def test_strict_argument_classes():
+    x = _x()
+    with pytest.raises(TypeError):
+        tensor_ops.softmax(x, scale="2")
+    with pytest.raises(TypeError):
+        tensor_ops.cross_entropy(x, np.zeros(4, np.int64), ignore_index=1.5)
+    with pytest.raises(ValueError):
+        tensor_ops.set_backend("")
+    with pytest.raises(ValueError):
+        with tensor_ops.use(" "):
+            pass
+
+
+def test_numpy_integer_scalars_are_integers():
+    x = _x()
+    np.testing.assert_allclose(tensor_ops.softmax(x, np.int64(0)), tensor_ops.softmax(x, 0))
+    np.testing.assert_allclose(tensor_ops.softmax(x, dim=np.int32(-1), scale=np.float32(2.0)),
+                               tensor_ops.softmax(x, scale=2.0), rtol=1e-6)
+    assert tensor_ops.empty((np.int64(2), 3)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("value", [[1.0, 2.0], 3.0, None])
+def test_softmax_not_an_array(value):
+    with pytest.raises(TypeError, match="must be an array"):
+        tensor_ops.softmax(value)
+    with pytest.raises(TypeError, match="must be an array"):
+        tensor_ops.log_softmax(value, dim=0)
+
+
+def test_attention_head_dim_zero():
+    q = np.zeros((1, 1, 2, 0), f32)
+    with pytest.raises(ValueError, match=r"head_dim >= 1, got shape \(1, 1, 2, 0\)"):
+        tensor_ops.attention(q, q, q)
+    with pytest.raises(ValueError, match="head_dim >= 1"):
+        tensor_ops.attention_backward(q, q, q, q, q, np.zeros((1, 1, 2), f32))
+
+
+@pytest.mark.parametrize("dtype, match", [
+    (object, "dtype object"),
+    ("U3", "dtype <U3"),
+    ("S2", "dtype |S2"),
+    ("f4,f4", "structured dtype"),
+    (">f4", "byte-swapped dtype >f4"),
+    (">f2", "byte-swapped dtype >f2"),
+    (np.uint16, "uint16 array is not read as bfloat16"),
+])
+def test_unreadable_numpy_dtypes_are_named(dtype, match):
+    x = np.zeros((2, 4), dtype)
+    for fn in (tensor_ops.silu, tensor_ops.softmax, lambda a: tensor_ops.rms_norm(a, np.ones(4, f32))):
+        with pytest.raises(TypeError, match=match):
+            fn(x)
+    with pytest.raises(TypeError, match=match):
+        tensor_ops.from_numpy(x)
+
+
+def test_uint16_is_not_bfloat16():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = ml_dtypes.bfloat16
+    with pytest.raises(TypeError, match="uint16"):
+        tensor_ops.rms_norm(np.zeros((2, 8), np.uint16), np.ones(8, bf))
+    with pytest.raises(TypeError, match="uint16"):
+        tensor_ops.silu(np.ones((2, 8), bf), out=np.zeros((2, 8), np.uint16))
+    with pytest.raises(TypeError, match="uint16"):
+        tensor_ops.swiglu(np.ones((2, 8), bf), np.ones((2, 8), bf), out=np.zeros((2, 8), np.uint16))
+    with pytest.raises(TypeError, match="uint16"):
+        tensor_ops.add_rms_norm(np.ones((2, 8), bf), np.zeros((2, 8), np.uint16), np.ones(8, bf))
+
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+
+@needs_torch
+def test_out_requiring_grad_is_refused():
+    out = torch.zeros(4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="requires grad"):
+        tensor_ops.silu(torch.randn(4, 8), out=out)
+    with pytest.raises(ValueError, match="requires grad"):
+        tensor_ops.swiglu(torch.randn(4, 8), torch.randn(4, 8), out=out)
+    assert (out == 0).all()
+
+
+@needs_torch
+@pytest.mark.parametrize("make", [
+    lambda t: torch._neg_view(t),
+    lambda t: torch.complex(torch.zeros_like(t), t).conj().imag,
+], ids=["neg_view", "conj_imag"])
+def test_lazy_negation_is_resolved(make):
+    """The negative bit is applied, not ignored: every entry point (fast
+    path, general path, every argument) gives -x's answer."""
+    t = torch.randn(4, 8)
+    v = make(t)
+    assert v.is_neg()
+    neg = -t
+    w = torch.rand(8) + 0.5
+    torch.testing.assert_close(tensor_ops.silu(v), torch.nn.functional.silu(neg))
+    torch.testing.assert_close(tensor_ops.gelu(v), torch.nn.functional.gelu(neg))
+    torch.testing.assert_close(tensor_ops.rms_norm(v, w), torch.nn.functional.rms_norm(neg, (8,), w, 1e-6))
+    torch.testing.assert_close(tensor_ops.rms_norm(t, make(w)), torch.nn.functional.rms_norm(t, (8,), -w, 1e-6))
+    torch.testing.assert_close(tensor_ops.softmax(v), torch.softmax(neg, -1))
+    torch.testing.assert_close(tensor_ops.swiglu(v, t), torch.nn.functional.silu(neg) * t)
+    torch.testing.assert_close(tensor_ops.swiglu(t, v), torch.nn.functional.silu(t) * neg)
+    torch.testing.assert_close(tensor_ops.layer_norm(v, w),
+                               torch.nn.functional.layer_norm(neg, (8,), w, None, 1e-5))
+    y, r = tensor_ops.add_rms_norm(v, t, w)
+    torch.testing.assert_close(r, torch.zeros_like(t))
+    torch.testing.assert_close(tensor_ops.silu(v.clone().requires_grad_(False)), torch.nn.functional.silu(neg))
+
+
+@needs_torch
+def test_lazy_negation_out_is_refused():
+    t = torch.randn(4, 8)
+    out = torch._neg_view(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="negative or conjugate bit"):
+        tensor_ops.silu(t, out=out)
+
+
+@needs_torch
+def test_sparse_and_nested_tensors_are_refused():
+    with pytest.raises(NotImplementedError, match="sparse_coo"):
+        tensor_ops.silu(torch.randn(4, 4).to_sparse())
+    with pytest.raises(NotImplementedError, match="sparse_coo"):
+        tensor_ops.rms_norm(torch.randn(4, 4).to_sparse(), torch.ones(4))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])
+    with pytest.raises(NotImplementedError, match="nested"):
+        tensor_ops.silu(nested)
+    with pytest.raises(NotImplementedError, match="nested"):
+        tensor_ops.softmax(nested)
+
+
+@needs_torch
+def test_torch_layer_does_not_offer_the_xla_shim_without_torch_xla():
+    """validate_model on a CPU machine with jax: every backend it tries runs."""
+    import importlib.util
+
+    import tensor_ops.torch as tt
+
+    if importlib.util.find_spec("torch_xla") is not None:
+        pytest.skip("torch_xla is installed: the shim is driven through it")
+    assert not {"xla", "tpu"} & set(tt.list_available_backends())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SiLU())
+    v = tt.validate_model(model, torch.randn(2, 8))
+    assert v.results and all(r["passed"] for r in v.results.values()), v.results

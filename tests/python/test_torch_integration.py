@@ -16,7 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import tensor_ops  # noqa: E402
 import tensor_ops.torch as tt  # noqa: E402
-from tensor_ops.torch import custom_ops  # noqa: E402
+from tensor_ops.torch import custom_ops, factory  # noqa: E402
 
 
 # ---- the model the acceptance tests, the DDP test and the benchmark share ----
@@ -591,7 +591,8 @@ def test_backend_type_aliases():
 def test_factory_reflects_the_registry():
     statuses = {b.name: b for b in tensor_ops.backends()}
     assert tt.list_available_backends() == tt.BackendFactory.list_available_backends()
-    assert set(tt.list_available_backends()) == {n for n, b in statuses.items() if b.usable}
+    drivable = {n for n, b in statuses.items() if b.usable and factory.torch_reason(n) is None}
+    assert set(tt.list_available_backends()) == drivable
     with tensor_ops.use("auto"):
         assert tt.detect_best_backend().value == tensor_ops.get_backend()
     info = {i["name"]: i for i in tt.BackendFactory.get_all_backend_info()}
@@ -609,8 +610,12 @@ def test_factory_errors():
             with pytest.raises(tensor_ops.BackendUnavailableError, match=f"'{b.name}' is not usable: .+"):
                 tt.BackendFactory.create(b.name)
     shim = next(b for b in tensor_ops.backends() if b.name in ("xla", "tpu"))
-    if shim.usable:  # the XLA shim (jax installed): TPU resolves to it
+    if shim.usable and factory.torch_reason(shim.name) is None:  # jax and torch_xla: TPU resolves to the shim
         assert tt.BackendFactory.create(tt.BackendType.TPU).name == shim.name
+    elif shim.usable:  # jax only: torch cannot drive it (issue 17 item 11)
+        with pytest.raises(tensor_ops.BackendUnavailableError, match="not usable from torch: .*torch_xla"):
+            tt.BackendFactory.create(tt.BackendType.TPU)
+        assert shim.name not in tt.list_available_backends()
     else:
         with pytest.raises(tensor_ops.BackendUnavailableError, match="is not usable: .+"):
             tt.BackendFactory.create(tt.BackendType.TPU)

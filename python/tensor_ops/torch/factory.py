@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import importlib.util
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -63,6 +64,16 @@ _REGISTRY_NAMES = {BackendType.XLA: ("xla", "tpu")}
 
 def _status(name: str) -> Optional[BackendStatus]:
     return next((b for b in tensor_ops.backends() if b.name == name), None)
+
+
+def torch_reason(name: str) -> Optional[str]:
+    """Why torch tensors cannot run on backend `name`, or None when they can.
+    The XLA shim runs jax arrays; torch reaches XLA devices only through
+    torch_xla."""
+    if name in ("xla", "tpu") and importlib.util.find_spec("torch_xla") is None:
+        return ("the XLA shim runs jax arrays; torch tensors reach XLA devices only through torch_xla, "
+                "which is not installed")
+    return None
 
 
 def _resolve(backend: Union[str, BackendType, None]) -> str:
@@ -191,14 +202,18 @@ class BackendFactory:
                 f"backend {name!r} is not registered with tensor_ops (registered: {known})")
         if not status.usable:
             raise BackendUnavailableError(f"backend {name!r} is not usable: {status.reason}")
+        reason = torch_reason(name)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend {name!r} is not usable from torch: {reason}")
         backend = Backend(name, device_id)
         backend.get_device_info()  # device_id in range
         return backend
 
     @staticmethod
     def list_available_backends() -> List[str]:
-        """Usable backends, highest registry priority first."""
-        usable = [b for b in tensor_ops.backends() if b.usable]
+        """Backends torch tensors can run on here, highest registry priority
+        first (the XLA shim only with torch_xla: see torch_reason)."""
+        usable = [b for b in tensor_ops.backends() if b.usable and torch_reason(b.name) is None]
         return [b.name for b in sorted(usable, key=lambda b: -b.priority)]
 
     @staticmethod
