@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #endif
 
+#include "attention_tiles.h"
 #include "isa.h"
 #include "tensor_ops/bad_index.h"
 #include "tensor_ops/errors.h"
@@ -95,7 +96,6 @@ std::atomic<const IsaKernels*>& level() {
 }
 
 thread_local std::string last_error_text;
-constexpr int64_t kKeyBlockScratch = 64;  // attention scores per key block (kernels_llm.h)
 
 void stream_fence() {
 #if defined(__x86_64__)
@@ -194,7 +194,8 @@ Split split_of(const to_op_call& c) {
   const to_tensor& x = c.inputs[0];
   const int64_t item = int64_t(dtype_size(dt_of(x)));
   const int64_t rows = x.shape[0], cols = x.ndim > 1 ? x.shape[1] : 1;
-  switch (OpId(c.op)) {
+  const OpId op = OpId(c.op);
+  switch (op) {
     case OpId::layer_norm: return {rows, cols * item * 2, 2 * cols};
     case OpId::rms_norm_backward:
     case OpId::layer_norm_backward: return {rows, cols * item * 3, 5 * cols};
@@ -211,18 +212,25 @@ Split split_of(const to_op_call& c) {
       const int64_t D = x.shape[3], half = c.inputs[1].shape[1];
       return {x.shape[0] * x.shape[1], x.shape[2] * D * item * 2, D + 2 * half};
     }
-    case OpId::attention: {
-      const int64_t D = x.shape[3], Lk = c.inputs[1].shape[2];
-      return {x.shape[0] * x.shape[1] * x.shape[2], Lk * D * item * 2, 3 * D + kKeyBlockScratch};
-    }
+    // Attention items are tiles (attention_flash.h): packed query row tiles
+    // per (batch, kv head), and for the backward's phase 0 (ints[6] == 0)
+    // key tiles; each is worth a chunk of its own.
+    case OpId::attention:
     case OpId::attention_backward: {
-      const to_tensor& k = c.inputs[2];
-      const int64_t D = k.shape[3], Lk = k.shape[2];
-      return {k.shape[0] * k.shape[1], Lk * D * item * 8, 4 * Lk * D + 4 * D};
+      const to_tensor& q = c.inputs[op == OpId::attention ? 0 : 1];
+      const to_tensor& k = c.inputs[op == OpId::attention ? 1 : 2];
+      const int64_t B = q.shape[0], Hkv = k.shape[1], rows = q.shape[1] / Hkv * q.shape[2], D = q.shape[3];
+      const bool key_tiles = op == OpId::attention_backward && c.ints[6] == 0;
+      const int64_t tiles = key_tiles ? (k.shape[2] + kAttnKeys - 1) / kAttnKeys : (rows + kAttnRows - 1) / kAttnRows;
+      const int64_t scratch =
+          op == OpId::attention ? attention_scratch_floats(D) : attention_backward_scratch_floats(D);
+      return {B * Hkv * tiles, int64_t(1) << 20, scratch};
     }
     default: return {rows, cols * item, 0};
   }
 }
+
+to_status run_phase(const to_op_call& c, const IsaKernels* k);
 
 // Runs an item kernel over the pool's threads. Each chunk gets its own zeroed
 // scratch; the norm backward ops then sum the chunks' dweight (and dbias)
@@ -237,6 +245,16 @@ to_status run_items(const to_op_call* call) {
                (op == OpId::cross_entropy && c.ints[1])) &&
               big.data && streaming(big.shape[0] * big.shape[1] * int64_t(dtype_size(dt_of(big))));
   const IsaKernels* k = level().load();
+  if (op == OpId::attention_backward) {  // two phases: dK / dV per key tile, then dQ per row tile
+    c.ints[6] = 0;
+    if (to_status st = run_phase(c, k); st != TO_OK) return st;
+    c.ints[6] = 1;
+  }
+  return run_phase(c, k);
+}
+
+to_status run_phase(const to_op_call& c, const IsaKernels* k) {
+  const OpId op = OpId(c.op);
   const Split sp = split_of(c);
   ThreadPool& pool = ThreadPool::instance();
   const int64_t grain = grain_for(sp.bytes_per_item);

@@ -8,6 +8,7 @@
 #define TENSOR_OPS_HAVE_STREAM 1
 #endif
 
+#include "attention_tiles.h"
 #include "isa.h"
 #include "tensor_ops/ops.h"
 

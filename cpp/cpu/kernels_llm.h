@@ -394,118 +394,15 @@ int rope_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   return 0;
 }
 
-// ---- attention: forward items are query rows (b, h, i) ------------------
+// ---- attention ---------------------------------------------------------------
 
-constexpr int64_t kKeyBlock = 64;
-
-// scratch: q | acc | k row | scores
-template <DType D>
-int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
-  const to_tensor &q = c.inputs[0], &k = c.inputs[1], &v = c.inputs[2], &o = c.outputs[0], &lse = c.outputs[1];
-  const int64_t Hq = q.shape[1], Lq = q.shape[2], Dm = q.shape[3], Hkv = k.shape[1], Lk = k.shape[2];
-  const float scale = float(c.scalars[0]);
-  float *qv = scratch, *acc = scratch + Dm, *kr = scratch + 2 * Dm, *sc = scratch + 3 * Dm;
-  const float ninf = -__builtin_inff();
-  for (int64_t it = i0; it < i1; ++it) {
-    const int64_t b = it / (Hq * Lq), h = (it / Lq) % Hq, i = it % Lq;
-    const int64_t kvh = h / (Hq / Hkv);
-    ld<D>(q.data, it * Dm, Dm, qv);
-    for (int64_t d = 0; d < Dm; ++d) {
-      qv[d] *= scale;
-      acc[d] = 0;
-    }
-    int64_t nk = Lk;
-    if (c.ints[0]) {
-      nk = i + Lk - Lq + 1;
-      nk = nk < 0 ? 0 : (nk > Lk ? Lk : nk);
-    }
-    const int64_t kbase = (b * Hkv + kvh) * Lk;
-    float m = ninf;
-    double l = 0;
-    for (int64_t j0 = 0; j0 < nk; j0 += kKeyBlock) {
-      const int64_t nb = min64(kKeyBlock, nk - j0);
-      float bm = ninf;
-      for (int64_t j = 0; j < nb; ++j) {
-        ld<D>(k.data, (kbase + j0 + j) * Dm, Dm, kr);
-        sc[j] = dot_short(qv, kr, Dm);
-        bm = sc[j] > bm ? sc[j] : bm;
-      }
-      if (bm > m) {
-        const float corr = m == ninf ? 0.0f : exp_f32(m - bm);
-        for (int64_t d = 0; d < Dm; ++d) acc[d] *= corr;
-        l *= double(corr);
-        m = bm;
-      }
-      for (int64_t j = 0; j < nb; ++j) {
-        const float p = exp_f32(sc[j] - m);
-        l += double(p);
-        ld<D>(v.data, (kbase + j0 + j) * Dm, Dm, kr);
-        for (int64_t d = 0; d < Dm; ++d) acc[d] += p * kr[d];
-      }
-    }
-    const float inv = l > 0 ? float(1.0 / l) : 0.0f;
-    for (int64_t d = 0; d < Dm; ++d) acc[d] *= inv;
-    st<D>(acc, o.data, it * Dm, Dm);
-    static_cast<float*>(lse.data)[it] = l > 0 ? m + float(__builtin_log(l)) : ninf;
-  }
-  return 0;
+// Causal attention shows key j to query position i when j <= i + offset:
+// bottom-right aligned (ints[0] == 1), offset Lk - Lq.
+inline int64_t attention_causal_offset(const to_op_call& c, int64_t Lq, int64_t Lk) {
+  return c.ints[0] ? Lk - Lq : 0;
 }
 
-// Backward items are (b, kv head): each owns its dk, dv and the dq rows of
-// its query heads, so no two items write the same memory.
-// scratch: K | V | dK | dV (Lk x D each) | q | do | dq (D each)
-template <DType D>
-int attention_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
-  const to_tensor &dout = c.inputs[0], &q = c.inputs[1], &k = c.inputs[2], &v = c.inputs[3], &o = c.inputs[4],
-                  &lse = c.inputs[5], &dq = c.outputs[0], &dk = c.outputs[1], &dv = c.outputs[2];
-  const int64_t Hq = q.shape[1], Lq = q.shape[2], Dm = q.shape[3], Hkv = k.shape[1], Lk = k.shape[2];
-  const int64_t group = Hq / Hkv;
-  const float scale = float(c.scalars[0]);
-  float *K = scratch, *V = K + Lk * Dm, *dK = V + Lk * Dm, *dV = dK + Lk * Dm, *qv = dV + Lk * Dm, *dov = qv + Dm,
-        *dqv = dov + Dm, *ov = dqv + Dm;
-  for (int64_t it = i0; it < i1; ++it) {
-    const int64_t b = it / Hkv, kvh = it % Hkv;
-    const int64_t kbase = (b * Hkv + kvh) * Lk * Dm;
-    ld<D>(k.data, kbase, Lk * Dm, K);
-    ld<D>(v.data, kbase, Lk * Dm, V);
-    for (int64_t t = 0; t < 2 * Lk * Dm; ++t) dK[t] = 0;
-    for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-      for (int64_t i = 0; i < Lq; ++i) {
-        const int64_t row = (b * Hq + h) * Lq + i;
-        for (int64_t d = 0; d < Dm; ++d) dqv[d] = 0;
-        const float L = static_cast<const float*>(lse.data)[row];
-        int64_t nk = Lk;
-        if (c.ints[0]) {
-          nk = i + Lk - Lq + 1;
-          nk = nk < 0 ? 0 : (nk > Lk ? Lk : nk);
-        }
-        if (L != -__builtin_inff() && nk > 0) {
-          ld<D>(q.data, row * Dm, Dm, qv);
-          ld<D>(dout.data, row * Dm, Dm, dov);
-          ld<D>(o.data, row * Dm, Dm, ov);
-          const float Di = dot_short(dov, ov, Dm);
-          for (int64_t j = 0; j < nk; ++j) {
-            const float* kj = K + j * Dm;
-            const float p = exp_f32(scale * dot_short(qv, kj, Dm) - L);
-            const float dp = dot_short(dov, V + j * Dm, Dm);
-            const float ds = p * (dp - Di) * scale;
-            float* dvj = dV + j * Dm;
-            float* dkj = dK + j * Dm;
-            for (int64_t d = 0; d < Dm; ++d) {
-              dvj[d] += p * dov[d];
-              dqv[d] += ds * kj[d];
-              dkj[d] += ds * qv[d];
-            }
-          }
-        }
-        st<D>(dqv, dq.data, row * Dm, Dm);
-      }
-    }
-    st<D>(dK, dk.data, kbase, Lk * Dm);
-    st<D>(dV, dv.data, kbase, Lk * Dm);
-  }
-  return 0;
-}
+#include "attention_flash.h"
 
 // ---- cross-entropy: items are rows ----------------------------------------
 

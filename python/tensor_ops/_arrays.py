@@ -130,7 +130,7 @@ def check_numpy_dtype(dt, name: str) -> None:
         return
     if dt.fields is not None or dt.subdtype is not None:
         raise DTypeError(f"{name} has the structured dtype {dt}; tensor_ops takes float32, float16 or bfloat16 "
-                         "arrays (int32 / int64 for indices)")
+                         "arrays (int32 or int64 for indices)")
     if dt.itemsize in _NUMPY_KINDS.get(dt.kind, ()):
         if not dt.isnative:
             raise DTypeError(f"{name} has the byte-swapped dtype {dt.str} ({dt.name}, non-native byte order); "
@@ -138,7 +138,7 @@ def check_numpy_dtype(dt, name: str) -> None:
         return
     hint = "; a uint16 array is not read as bfloat16: use ml_dtypes.bfloat16" if dt == np.uint16 else ""
     raise DTypeError(f"{name} has dtype {dt} ({dt.str}); tensor_ops takes float32, float16 or bfloat16 arrays "
-                     f"(int32 / int64 for indices){hint}")
+                     f"(int32 or int64 for indices){hint}")
 
 
 def check_torch(t, name: str):

@@ -1,0 +1,338 @@
+// Attention forward and backward as blocked flash attention, included by
+// kernels_llm.h inside each ISA namespace (after ld / st).
+//
+// Note [flash attention on the CPU]
+// Work is tiled: a tile of query rows against tiles of keys, with both
+// products (S = Q K^T and O += P V, and the backward's four) done by one
+// register-blocked micro-kernel on fp32 tiles: kMR rows x 16 lanes of C held
+// in registers while the shared dimension streams through (BLIS' shape).
+// Query rows are packed by key-value head: a tile holds consecutive query
+// positions for every query head of the group (row r: position r / G, head
+// r % G), so grouped-query attention reads each K/V tile once for the whole
+// group and never copies K/V per head. Causal key tiles past a row tile's
+// last visible key are skipped whole; only the diagonal tiles are masked.
+// The softmax is online (running max and sum per row, the accumulator
+// rescaled when the max grows), in fp32 for every storage dtype.
+// Backward (deterministic, no atomics): phase 0 gives each (batch, kv head,
+// key tile) item its own dK / dV rows, recomputing P from the saved
+// log-sum-exp; phase 1 gives each query row tile its dQ rows. S and dP are
+// recomputed in both: seven tile products instead of FlashAttention-2's
+// five, the price of no shared accumulator.
+
+constexpr int kNL = int(kAttnLanes);  // lanes in one column block of the micro-kernel
+constexpr int kNV = kNL / kVW;         // vectors per column block
+constexpr int kMR = 6;                 // rows per micro-kernel call
+static_assert(kAttnRows % kMR == 0 && kAttnRows % kNL == 0 && kAttnKeys % kNL == 0, "tile sizes");
+
+// C[MR][16] = (acc ? C : 0) + A[MR][K] B[K][16]
+template <int MR>
+TENSOR_OPS_VEC_INLINE void attn_micro(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                                      int64_t ldc, bool acc) {
+  vf c[MR][kNV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kNV; ++v) c[r][v] = acc ? vload(C + r * ldc + v * kVW) : vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    vf b[kNV];
+    for (int v = 0; v < kNV; ++v) b[v] = vload(B + k * ldb + v * kVW);
+    for (int r = 0; r < MR; ++r) {
+      const vf a = splat<vf>(A[r * lda + k]);
+      for (int v = 0; v < kNV; ++v) c[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kNV; ++v) vstore(C + r * ldc + v * kVW, c[r][v]);
+}
+
+// C[M][N] = (acc ? C : 0) + A[M][K] B[K][N] on fp32 tiles; N a multiple of kNL.
+inline void attn_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                      float* C, int64_t ldc, bool acc) {
+  for (int64_t n = 0; n < N; n += kNL) {
+    int64_t m = 0;
+    for (; m + kMR <= M; m += kMR) attn_micro<kMR>(K, A + m * lda, lda, B + n, ldb, C + m * ldc + n, ldc, acc);
+    const float* a = A + m * lda;
+    float* c = C + m * ldc + n;
+    switch (M - m) {
+      case 5: attn_micro<5>(K, a, lda, B + n, ldb, c, ldc, acc); break;
+      case 4: attn_micro<4>(K, a, lda, B + n, ldb, c, ldc, acc); break;
+      case 3: attn_micro<3>(K, a, lda, B + n, ldb, c, ldc, acc); break;
+      case 2: attn_micro<2>(K, a, lda, B + n, ldb, c, ldc, acc); break;
+      case 1: attn_micro<1>(K, a, lda, B + n, ldb, c, ldc, acc); break;
+      default: break;
+    }
+  }
+}
+
+inline void zero_f(float* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) p[i] = 0;
+}
+
+// The geometry of one attention call. Query rows are packed per kv head
+// (Note [flash attention on the CPU]); key j is visible from position i when
+// j <= i + off (causal), every key otherwise.
+struct AttnShape {
+  int64_t B, Hq, Hkv, G, Lq, Lk, Dm, Dp, rows, row_tiles, key_tiles;
+  bool causal;
+  int64_t off;
+  float scale;
+
+  AttnShape(const to_tensor& q, const to_tensor& k, const to_op_call& c)
+      : B(q.shape[0]), Hq(q.shape[1]), Hkv(k.shape[1]), G(Hq / Hkv), Lq(q.shape[2]), Lk(k.shape[2]),
+        Dm(q.shape[3]), Dp(attn_pad(q.shape[3])), rows(G * Lq), row_tiles((G * Lq + kAttnRows - 1) / kAttnRows),
+        key_tiles((k.shape[2] + kAttnKeys - 1) / kAttnKeys), causal(c.ints[0] != 0),
+        off(attention_causal_offset(c, q.shape[2], k.shape[2])), scale(float(c.scalars[0])) {}
+
+  // element offset of packed row r (position r / G, head kvh * G + r % G) of batch b
+  int64_t row_offset(int64_t b, int64_t kvh, int64_t r) const {
+    return ((b * Hq + kvh * G + r % G) * Lq + r / G) * Dm;
+  }
+  int64_t lse_index(int64_t b, int64_t kvh, int64_t r) const { return (b * Hq + kvh * G + r % G) * Lq + r / G; }
+  // keys [0, end) may be visible from packed rows [r0, r1)
+  int64_t key_end(int64_t r1) const {
+    if (!causal) return Lk;
+    const int64_t e = (r1 - 1) / G + off + 1;
+    return e < 0 ? 0 : (e > Lk ? Lk : e);
+  }
+  // the last key visible from packed row r (as a float for the vector masks); -inf when none
+  float limit(int64_t r) const {
+    if (!causal) return __builtin_inff();
+    return float(r / G + off);
+  }
+};
+
+// Rows [r0, r0 + n) (packed) into dst [kAttnRows][ld] fp32, times mul; the
+// padding columns [Dm, ld) and rows [n, kAttnRows) zero.
+template <DType D>
+inline void attn_load_rows(const AttnShape& s, const void* src, int64_t b, int64_t kvh, int64_t r0, int64_t n,
+                           float* dst, int64_t stride, float mul) {
+  for (int64_t r = 0; r < kAttnRows; ++r) {
+    float* d = dst + r * stride;
+    if (r < n) {
+      ld<D>(src, s.row_offset(b, kvh, r0 + r), s.Dm, d);
+      if (mul != 1.0f)
+        for (int64_t x = 0; x < s.Dm; ++x) d[x] *= mul;
+      zero_f(d + s.Dm, stride - s.Dm);
+    } else {
+      zero_f(d, stride);
+    }
+  }
+}
+
+// Key rows [j0, j0 + n) of kv head (b, kvh) into dst [rows][ld] (rows >= n zero).
+template <DType D>
+inline void attn_load_keys(const AttnShape& s, const void* src, int64_t b, int64_t kvh, int64_t j0, int64_t n,
+                           float* dst, int64_t stride, int64_t rows) {
+  const int64_t base = ((b * s.Hkv + kvh) * s.Lk + j0) * s.Dm;
+  for (int64_t j = 0; j < rows; ++j) {
+    float* d = dst + j * stride;
+    if (j < n) {
+      ld<D>(src, base + j * s.Dm, s.Dm, d);
+      zero_f(d + s.Dm, stride - s.Dm);
+    } else {
+      zero_f(d, stride);
+    }
+  }
+}
+
+// The transpose of a [rows][ld] tile (columns [0, Dm)) into dst [Dp][rows].
+inline void attn_transpose(const AttnShape& s, const float* src, int64_t stride, int64_t rows, float* dst) {
+  for (int64_t d = 0; d < s.Dp; ++d)
+    for (int64_t j = 0; j < rows; ++j) dst[d * rows + j] = d < s.Dm ? src[j * stride + d] : 0.0f;
+}
+
+// p = valid ? exp(x) : 0, valid where lim >= pos (the vector masks below).
+TENSOR_OPS_VEC_INLINE vf masked_exp(vf x, vf pos, vf lim) {
+  const vf e = exp_t(x);
+  return from_bits(as_bits(e) & (vu)(pos <= lim));
+}
+
+// ---- forward: items are (batch, kv head, packed row tile) ----------------
+// scratch (attention_scratch_floats): Q | O (rows x Dp) | K^T (Dp x keys) |
+// V (keys x Dp) | S (rows x keys) | m | l (rows)
+
+template <DType D>
+int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
+  const to_tensor &q = c.inputs[0], &k = c.inputs[1], &v = c.inputs[2], &o = c.outputs[0], &lse = c.outputs[1];
+  const AttnShape s(q, k, c);
+  const int64_t Dp = s.Dp, R = kAttnRows, K = kAttnKeys;
+  float *Q = scratch, *O = Q + R * Dp, *Kt = O + R * Dp, *V = Kt + Dp * K, *S = V + K * Dp, *m = S + R * K,
+        *l = m + R;
+  const float ninf = -__builtin_inff();
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t b = it / (s.Hkv * s.row_tiles), kvh = (it / s.row_tiles) % s.Hkv, t = it % s.row_tiles;
+    const int64_t r0 = t * R, nr = min64(R, s.rows - r0);
+    attn_load_rows<D>(s, q.data, b, kvh, r0, nr, Q, Dp, s.scale);
+    zero_f(O, R * Dp);
+    for (int64_t r = 0; r < R; ++r) m[r] = ninf, l[r] = 0;
+    const int64_t kend = s.key_end(r0 + nr);
+    vf lane = {};
+    for (int x = 0; x < kVW; ++x) lane[x] = float(x);
+    for (int64_t j0 = 0; j0 < kend; j0 += K) {
+      const int64_t nk = min64(K, kend - j0);
+      attn_load_keys<D>(s, k.data, b, kvh, j0, nk, V, Dp, K);  // K rows, transposed next
+      attn_transpose(s, V, Dp, K, Kt);
+      attn_load_keys<D>(s, v.data, b, kvh, j0, nk, V, Dp, K);
+      attn_gemm(nr, K, s.Dm, Q, Dp, Kt, K, S, K, false);
+      // masks: keys past the tile's end, and (causal) past each row's limit
+      const bool edge = nk < K || (s.causal && j0 + K - 1 > r0 / s.G + s.off);
+      for (int64_t r = 0; r < nr; ++r) {
+        float* srow = S + r * K;
+        const vf lim = splat<vf>(edge ? min_t(s.limit(r0 + r), float(j0 + nk - 1)) : __builtin_inff());
+        vf mx = splat<vf>(ninf);
+        for (int64_t j = 0; j < K; j += kVW) {
+          const vf pos = lane + float(j0 + j);
+          vf sv = vload(srow + j);
+          sv = (vf)(((vu)(pos <= lim) & as_bits(sv)) | ((vu)(pos > lim) & as_bits(splat<vf>(ninf))));
+          vstore(srow + j, sv);
+          mx = max_t(mx, sv);
+        }
+        float mrow = ninf;
+        for (int x = 0; x < kVW; ++x) mrow = max_t(mrow, mx[x]);
+        const float mnew = max_t(m[r], mrow);
+        if (mnew == ninf) {  // nothing visible yet: P is zero, the accumulator stays zero
+          zero_f(srow, K);
+          continue;
+        }
+        const float corr = m[r] == ninf ? 0.0f : exp_f32(m[r] - mnew);
+        vf sum = {};
+        for (int64_t j = 0; j < K; j += kVW) {
+          const vf sv = vload(srow + j);
+          const vf p = from_bits(as_bits(exp_nonpos_t(sv - mnew)) & (vu)(sv > splat<vf>(ninf)));
+          vstore(srow + j, p);
+          sum += p;
+        }
+        l[r] = l[r] * corr + hsum(sum);
+        if (corr != 1.0f) {
+          float* orow = O + r * Dp;
+          for (int64_t d = 0; d < Dp; d += kVW) vstore(orow + d, vload(orow + d) * corr);
+        }
+        m[r] = mnew;
+      }
+      attn_gemm(nr, Dp, K, S, K, V, Dp, O, Dp, true);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      float* orow = O + r * Dp;
+      const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+      for (int64_t d = 0; d < s.Dm; ++d) orow[d] *= inv;
+      st<D>(orow, o.data, s.row_offset(b, kvh, r0 + r), s.Dm);
+      static_cast<float*>(lse.data)[s.lse_index(b, kvh, r0 + r)] = l[r] > 0 ? m[r] + __builtin_logf(l[r]) : ninf;
+    }
+  }
+  return 0;
+}
+
+// ---- backward -------------------------------------------------------------
+// Per packed row tile: Q, dO (rows x Dp), lse, Delta = rowsum(dO * O), and
+// each row's causal limit (-inf for padding rows and rows that saw no key).
+template <DType D>
+inline void attn_load_grad_rows(const AttnShape& s, const to_op_call& c, int64_t b, int64_t kvh, int64_t r0,
+                                int64_t nr, float* Q, float* dO, float* L, float* Delta, float* lim, float* tmp) {
+  const to_tensor &dout = c.inputs[0], &q = c.inputs[1], &o = c.inputs[4], &lse = c.inputs[5];
+  attn_load_rows<D>(s, q.data, b, kvh, r0, nr, Q, s.Dp, 1.0f);
+  attn_load_rows<D>(s, dout.data, b, kvh, r0, nr, dO, s.Dp, 1.0f);
+  for (int64_t r = 0; r < kAttnRows; ++r) {
+    if (r >= nr) {
+      L[r] = 0, Delta[r] = 0, lim[r] = -__builtin_inff();
+      continue;
+    }
+    ld<D>(o.data, s.row_offset(b, kvh, r0 + r), s.Dm, tmp);
+    float dsum = 0;
+    for (int64_t d = 0; d < s.Dm; ++d) dsum += tmp[d] * dO[r * s.Dp + d];
+    Delta[r] = dsum;
+    L[r] = static_cast<const float*>(lse.data)[s.lse_index(b, kvh, r0 + r)];
+    lim[r] = L[r] == -__builtin_inff() ? -__builtin_inff() : s.limit(r0 + r);
+    if (L[r] == -__builtin_inff()) L[r] = 0;
+  }
+}
+
+// Phase 0 (ints[6] == 0): items (batch, kv head, key tile) -> dK, dV rows.
+template <DType D>
+void attention_backward_kv(const to_op_call& c, const AttnShape& s, int64_t i0, int64_t i1, float* scratch) {
+  const to_tensor &k = c.inputs[2], &v = c.inputs[3], &dk = c.outputs[1], &dv = c.outputs[2];
+  const int64_t Dp = s.Dp, R = kAttnRows, K = kAttnKeys;
+  float *Kr = scratch, *V = Kr + K * Dp, *dK = V + K * Dp, *dV = dK + K * Dp, *Q = dV + K * Dp, *dO = Q + R * Dp,
+        *Qt = dO + R * Dp, *dOt = Qt + Dp * R, *P = dOt + Dp * R, *dP = P + K * R, *L = dP + K * R, *Delta = L + R,
+        *lim = Delta + R, *tmp = lim + R;
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t b = it / (s.Hkv * s.key_tiles), kvh = (it / s.key_tiles) % s.Hkv, kt = it % s.key_tiles;
+    const int64_t j0 = kt * K, nk = min64(K, s.Lk - j0);
+    attn_load_keys<D>(s, k.data, b, kvh, j0, nk, Kr, Dp, K);
+    attn_load_keys<D>(s, v.data, b, kvh, j0, nk, V, Dp, K);
+    zero_f(dK, 2 * K * Dp);
+    // the first packed row that can see key j0: position j0 - off
+    int64_t first = 0;
+    if (s.causal) first = (j0 - s.off) * s.G;
+    if (first < 0) first = 0;
+    for (int64_t r0 = first / R * R; r0 < s.rows; r0 += R) {
+      const int64_t nr = min64(R, s.rows - r0);
+      attn_load_grad_rows<D>(s, c, b, kvh, r0, nr, Q, dO, L, Delta, lim, tmp);
+      attn_transpose(s, Q, Dp, R, Qt);
+      attn_transpose(s, dO, Dp, R, dOt);
+      attn_gemm(nk, R, s.Dm, Kr, Dp, Qt, R, P, R, false);   // S^T
+      attn_gemm(nk, R, s.Dm, V, Dp, dOt, R, dP, R, false);  // dP^T
+      for (int64_t j = 0; j < nk; ++j) {
+        const vf pos = splat<vf>(float(j0 + j));
+        float *prow = P + j * R, *dprow = dP + j * R;
+        for (int64_t r = 0; r < R; r += kVW) {
+          const vf p = masked_exp(vload(prow + r) * s.scale - vload(L + r), pos, vload(lim + r));
+          vstore(prow + r, p);
+          vstore(dprow + r, p * (vload(dprow + r) - vload(Delta + r)) * s.scale);
+        }
+      }
+      attn_gemm(nk, Dp, nr, P, R, dO, Dp, dV, Dp, true);
+      attn_gemm(nk, Dp, nr, dP, R, Q, Dp, dK, Dp, true);
+    }
+    const int64_t base = ((b * s.Hkv + kvh) * s.Lk + j0) * s.Dm;
+    for (int64_t j = 0; j < nk; ++j) {
+      st<D>(dK + j * Dp, dk.data, base + j * s.Dm, s.Dm);
+      st<D>(dV + j * Dp, dv.data, base + j * s.Dm, s.Dm);
+    }
+  }
+}
+
+// Phase 1 (ints[6] == 1): items (batch, kv head, packed row tile) -> dQ rows.
+template <DType D>
+void attention_backward_q(const to_op_call& c, const AttnShape& s, int64_t i0, int64_t i1, float* scratch) {
+  const to_tensor &k = c.inputs[2], &v = c.inputs[3], &dq = c.outputs[0];
+  const int64_t Dp = s.Dp, R = kAttnRows, K = kAttnKeys;
+  float *Q = scratch, *dO = Q + R * Dp, *dQ = dO + R * Dp, *Kt = dQ + R * Dp, *Kr = Kt + Dp * K, *Vt = Kr + K * Dp,
+        *P = Vt + Dp * K, *dP = P + R * K, *L = dP + R * K, *Delta = L + R, *lim = Delta + R, *tmp = lim + R;
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t b = it / (s.Hkv * s.row_tiles), kvh = (it / s.row_tiles) % s.Hkv, t = it % s.row_tiles;
+    const int64_t r0 = t * R, nr = min64(R, s.rows - r0);
+    attn_load_grad_rows<D>(s, c, b, kvh, r0, nr, Q, dO, L, Delta, lim, tmp);
+    zero_f(dQ, R * Dp);
+    const int64_t kend = s.key_end(r0 + nr);
+    for (int64_t j0 = 0; j0 < kend; j0 += K) {
+      const int64_t nk = min64(K, kend - j0);
+      attn_load_keys<D>(s, v.data, b, kvh, j0, nk, Kr, Dp, K);
+      attn_transpose(s, Kr, Dp, K, Vt);
+      attn_load_keys<D>(s, k.data, b, kvh, j0, nk, Kr, Dp, K);
+      attn_transpose(s, Kr, Dp, K, Kt);
+      attn_gemm(nr, K, s.Dm, Q, Dp, Kt, K, P, K, false);
+      attn_gemm(nr, K, s.Dm, dO, Dp, Vt, K, dP, K, false);
+      vf lane = {};
+      for (int x = 0; x < kVW; ++x) lane[x] = float(x);
+      for (int64_t r = 0; r < nr; ++r) {
+        float *prow = P + r * K, *dprow = dP + r * K;
+        const vf lr = splat<vf>(L[r]), dr = splat<vf>(Delta[r]);
+        const vf lim_r = splat<vf>(min_t(lim[r], float(j0 + nk - 1)));
+        for (int64_t j = 0; j < K; j += kVW) {
+          const vf p = masked_exp(vload(prow + j) * s.scale - lr, lane + float(j0 + j), lim_r);
+          vstore(dprow + j, p * (vload(dprow + j) - dr) * s.scale);
+        }
+      }
+      attn_gemm(nr, Dp, nk, dP, K, Kr, Dp, dQ, Dp, true);
+    }
+    for (int64_t r = 0; r < nr; ++r) st<D>(dQ + r * Dp, dq.data, s.row_offset(b, kvh, r0 + r), s.Dm);
+  }
+}
+
+template <DType D>
+int attention_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
+  const AttnShape s(c.inputs[1], c.inputs[2], c);
+  if (c.ints[6] == 0)
+    attention_backward_kv<D>(c, s, i0, i1, scratch);
+  else
+    attention_backward_q<D>(c, s, i0, i1, scratch);
+  return 0;
+}

@@ -1,0 +1,27 @@
+#pragma once
+// Tile sizes of the CPU flash attention (attention_flash.h), shared with the
+// dispatcher (cpu_backend.cpp), which splits the work into tiles and sizes
+// each chunk's scratch from them.
+#include <cstdint>
+
+namespace tensor_ops::cpu {
+
+constexpr int64_t kAttnRows = 48;   // query rows per tile (a multiple of 6 and 16)
+constexpr int64_t kAttnKeys = 64;   // keys per tile (a multiple of 16)
+constexpr int64_t kAttnLanes = 16;  // head_dim and tile columns are padded to a multiple of this
+
+inline int64_t attn_pad(int64_t n) { return (n + kAttnLanes - 1) / kAttnLanes * kAttnLanes; }
+
+// Scratch floats per chunk: forward, and the larger of the backward's two phases.
+inline int64_t attention_scratch_floats(int64_t head_dim) {
+  const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys;
+  return 2 * R * Dp + 2 * K * Dp + R * K + 2 * R;
+}
+inline int64_t attention_backward_scratch_floats(int64_t head_dim) {
+  const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys;
+  const int64_t phase0 = 4 * K * Dp + 4 * R * Dp + 2 * K * R + 3 * R + Dp;
+  const int64_t phase1 = 3 * R * Dp + 3 * Dp * K + 2 * R * K + 3 * R + Dp;
+  return phase0 > phase1 ? phase0 : phase1;
+}
+
+}  // namespace tensor_ops::cpu
