@@ -40,17 +40,31 @@ TRACED = types.SimpleNamespace()  # the custom ops, by name
 DIRECT = types.SimpleNamespace()  # the kernels as plain functions, by name
 
 
+# Note [registration]: the ops are defined with torch.library.Library
+# define/impl (schema inferred from the type hints, the kernel registered for
+# CompositeExplicitAutograd: every device), not the torch.library.custom_op
+# decorator, whose Python wrapper costs several us more per call (measured in
+# bench/bench_latency.py; issue 21). Fake kernels and autograd go through the
+# same torch.library.register_fake / register_autograd either way, so
+# torch.compile and autograd see the same op.
+_LIB = torch.library.Library("tensor_ops", "DEF")
+
+
 def _register(impl, fake, setup_context=None, backward=None):
     """torch.ops.tensor_ops.<impl name> with its fake kernel and, given a
     backward, its autograd and the matching autograd.Function."""
     name = impl.__name__
-    op = torch.library.custom_op(f"tensor_ops::{name}", impl, mutates_args=())
-    op.register_fake(fake)
+    qualname = f"tensor_ops::{name}"
+    _LIB.define(name + torch.library.infer_schema(impl, mutates_args=()))
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(qualname, fake, lib=_LIB)
+    op = getattr(torch.ops.tensor_ops, name).default
     OPS[name] = op
     setattr(TRACED, name, op)
     setattr(DIRECT, name, impl)
     if backward is not None:
-        op.register_autograd(functools.partial(backward, k=TRACED), setup_context=setup_context)
+        torch.library.register_autograd(qualname, functools.partial(backward, k=TRACED),
+                                        setup_context=setup_context, lib=_LIB)
 
         def forward(ctx, *args):  # ctx-style: ~40 us cheaper per call than a separate setup_context
             output = impl(*args)
