@@ -33,7 +33,7 @@ __device__ __forceinline__ float act_grad(int act, float v) {
   const float k = 0.79788456080286536f;
   const float u = k * (v + 0.044715f * v * v * v);
   const float s = sigmoid(2.0f * u);
-  return s + v * s * (1.0f - s) * 2.0f * k * (1.0f + 3.0f * 0.044715f * v * v);
+  return s + v * s * (1.0f - s) * 2.0f * k * (1.0f + 3.0f * 0.044715f * (v * v));
 }
 
 // y = act(x)

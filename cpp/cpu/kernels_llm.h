@@ -233,8 +233,6 @@ int softmax_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scrat
 
 // ---- activations and gated units (flat element ranges) -------------------
 
-TENSOR_OPS_VEC_INLINE float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
-
 // The activation is a template argument so the per-element loops carry no
 // branch and vectorise; T is float or vf.
 template <int A, class T>
@@ -249,7 +247,9 @@ TENSOR_OPS_VEC_INLINE float act_f32(float x) {
   return act_t<A>(x);
 }
 
-// d act / dx
+// d act / dx. At the special values these give torch's answers: NaN at
+// +-inf (an infinite x times a zero factor), and for the tanh form also NaN
+// where x * x overflows (torch's 0 * inf), hence x * x computed first.
 template <int A>
 TENSOR_OPS_VEC_INLINE float act_grad_f32(float x) {
   if constexpr (A == 0) {
@@ -257,12 +257,12 @@ TENSOR_OPS_VEC_INLINE float act_grad_f32(float x) {
     return s * (1.0f + x * (1.0f - s));
   } else if constexpr (A == 1) {
     const float cdf = 0.5f * erfc_f32(x * -0.70710678118654752f);
-    return cdf + x * 0.39894228040143268f * exp_f32(-0.5f * x * x);
+    return cdf + x * 0.39894228040143268f * exp_flush_f32(-0.5f * x * x);
   } else {
     const float k = 0.79788456080286536f;
     const float u = k * (x + 0.044715f * x * x * x);
     const float s = sigmoid_f32(2.0f * u);
-    return s + x * s * (1.0f - s) * 2.0f * k * (1.0f + 3.0f * 0.044715f * x * x);
+    return s + x * s * (1.0f - s) * 2.0f * k * (1.0f + 3.0f * 0.044715f * (x * x));
   }
 }
 

@@ -131,16 +131,35 @@ TENSOR_OPS_VEC_INLINE T exp_nonpos_t(T x) {
   return from_bits(as_bits(exp_poly_t(r)) + (as_bits(t) << 23));
 }
 
+// e^x as exp_t, but 0 below exp_t's range (exp_t clamps to e^-87.3 there),
+// so that a product with an infinite or huge factor is torch's NaN or 0.
+template <class T>
+TENSOR_OPS_VEC_INLINE T exp_flush_t(T x) {
+  return x < splat<T>(-87.3f) ? splat<T>(0.0f) : exp_t(x);
+}
+
+// sigmoid(v), exactly 0 where it underflows (v < -87.3): the clamped exp
+// left 1/e^88.3 there, which the lanes' reciprocal estimate turns into 0 and
+// the scalar tail's divide into 4.7e-39, so x * sigmoid(x) was -inf (tail)
+// or NaN (lanes) at x = -inf, and -1.4 instead of 0 at x = -3e38.
+template <class T>
+TENSOR_OPS_VEC_INLINE T sigmoid_t(T v) {
+  return v < splat<T>(-87.3f) ? splat<T>(0.0f) : recip_t(1.0f + exp_t(-v));
+}
+
+// x * sigmoid(x): torch's specials follow (inf at inf, NaN at -inf, 0 below).
 template <class T>
 TENSOR_OPS_VEC_INLINE T silu_t(T x) {
-  return x * recip_t(1.0f + exp_t(-x));
+  return x * sigmoid_t(x);
 }
 
 // erfc via Numerical Recipes' erfcc (fractional error < 1.2e-7 everywhere),
 // so gelu keeps its relative accuracy in the negative tail too.
+// |t| is clamped at 10 (erfc(10) = 2e-45 is 0 in float; exp_flush_t makes it
+// exactly 0), which keeps u finite at t = +-inf: erfc(inf) = 0, erfc(-inf) = 2.
 template <class T>
 TENSOR_OPS_VEC_INLINE T erfc_t(T t) {
-  const T z = abs_t(t);
+  const T z = min_t(splat<T>(10.0f), abs_t(t));  // this operand order hands a NaN through
   const T u = recip_t(1.0f + 0.5f * z);
   // The degree-9 polynomial by Estrin's scheme: 4 dependent FMA levels
   // instead of Horner's 9 (the loop is latency-bound, not port-bound).
@@ -149,7 +168,7 @@ TENSOR_OPS_VEC_INLINE T erfc_t(T t) {
   const T a2 = 0.27886807f * u - 0.18628806f, a3 = 1.48851587f * u - 1.13520398f;
   const T a4 = 0.17087277f * u - 0.82215223f;
   const T p = (a0 + a1 * u2) + (a2 + a3 * u2) * u4 + a4 * u8;
-  const T ans = u * exp_t(p - z * z);
+  const T ans = u * exp_flush_t(p - z * z);
   // erfc(-z) = 2 - erfc(z), as a select so the lanes stay branch-free
   return t < splat<T>(0.0f) ? 2.0f - ans : ans;
 }
@@ -163,10 +182,12 @@ TENSOR_OPS_VEC_INLINE T gelu_erf_t(T x) {
 template <class T>
 TENSOR_OPS_VEC_INLINE T gelu_tanh_t(T x) {
   const T u = 0.79788456080286536f * (x + 0.044715f * x * x * x);
-  return x * recip_t(1.0f + exp_t(-2.0f * u));
+  return x * sigmoid_t(2.0f * u);
 }
 
 TENSOR_OPS_VEC_INLINE float exp_f32(float x) { return exp_t(x); }
+TENSOR_OPS_VEC_INLINE float exp_flush_f32(float x) { return exp_flush_t(x); }
+TENSOR_OPS_VEC_INLINE float sigmoid_f32(float x) { return sigmoid_t(x); }
 TENSOR_OPS_VEC_INLINE float silu_f32(float x) { return silu_t(x); }
 TENSOR_OPS_VEC_INLINE float erfc_f32(float x) { return erfc_t(x); }
 TENSOR_OPS_VEC_INLINE float gelu_erf_f32(float x) { return gelu_erf_t(x); }

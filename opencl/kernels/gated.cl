@@ -19,7 +19,7 @@ inline float8 gelu_erf_grad8(float8 x) {
 inline float8 gelu_tanh_grad8(float8 x) {
   const float k = 0.79788456080286536f;
   const float8 s = sigmoid8(2.0f * k * (x + 0.044715f * x * x * x));
-  return s + x * s * (1.0f - s) * 2.0f * k * (1.0f + 3.0f * 0.044715f * x * x);
+  return s + x * s * (1.0f - s) * 2.0f * k * (1.0f + 3.0f * 0.044715f * (x * x));
 }
 
 // The first index of element (r, c) of a tensor given (off, stride).

@@ -2,6 +2,11 @@
 
 #include <nanobind/stl/string.h>
 
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <vector>
+
 #include "tensor_ops/errors.h"
 #include "tensor_ops/stream.h"
 
@@ -200,6 +205,101 @@ Tensor to_tensor(nb::handle h, const char* arg, bool as_bfloat16) {
     throw DTypeError(std::string(arg) + " of type " + nb::inst_name(h).c_str() +
                      " is not an array tensor_ops can read (numpy, torch, DLPack or tensor_ops.Tensor)");
   return to_tensor(a, arg, as_bfloat16);
+}
+
+nb::dlpack::dtype dl_dtype(DType t) {
+  switch (t) {
+    case DType::Float32: return nb::dtype<float>();
+    case DType::Float16: return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
+    case DType::BFloat16: return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+    case DType::Int32: return nb::dtype<int32_t>();
+    case DType::Int64: return nb::dtype<int64_t>();
+  }
+  return nb::dtype<float>();
+}
+
+int32_t dl_device_type(const Device& d) {
+  if (d.is_host()) return nb::device::cpu::value;
+  if (d.backend == "cuda") return nb::device::cuda::value;
+  if (d.backend == "hip") return nb::device::rocm::value;
+  if (d.backend == "opencl") return nb::device::opencl::value;
+  if (d.backend == "sycl") return nb::device::oneapi::value;
+  // A plugin's own backend: exported as anything else, a consumer would
+  // read device memory as something it is not.
+  throw nb::buffer_error(("DLPack has no device type for backend '" + d.backend +
+                          "': copy the tensor to the host first (tensor.to('cpu'))").c_str());
+}
+
+namespace {
+
+// Note [DLPack capsule ownership]
+// The protocol: the consumer takes the capsule's DLManagedTensor, renames
+// the capsule "used_dltensor" and calls the deleter when done; a capsule
+// that dies still named "dltensor" was never taken, and its destructor calls
+// the deleter. Consumers that fail part-way break this: torch.from_dlpack of
+// an OpenCL tensor calls the deleter (its error path) but leaves the name,
+// so the capsule destructor freed the managed tensor a second time. Here the
+// managed tensor lives in a context with two references, the capsule's and
+// the deleter's: the deleter releases the data and its reference once (a
+// flag the capsule can still read), the capsule destructor calls it only if
+// it has not run and the capsule was not consumed, then drops its own.
+struct ManagedTensor {  // DLPack's DLManagedTensor, field for field
+  nb::dlpack::dltensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(ManagedTensor*);
+};
+
+struct ExportContext {
+  ManagedTensor mt{};
+  std::shared_ptr<void> owner;
+  std::vector<int64_t> shape, strides;
+  std::atomic<int> refs{2};
+  std::atomic<bool> deleted{false};
+};
+
+void drop_ref(ExportContext* c) {
+  if (c->refs.fetch_sub(1) == 1) delete c;
+}
+
+void managed_deleter(ManagedTensor* mt) {
+  auto* c = static_cast<ExportContext*>(mt->manager_ctx);
+  if (c->deleted.exchange(true)) return;
+  c->owner.reset();
+  drop_ref(c);
+}
+
+void capsule_destructor(PyObject* capsule) {
+  const char* name = PyCapsule_GetName(capsule);
+  auto* mt = static_cast<ManagedTensor*>(PyCapsule_GetPointer(capsule, name));
+  if (!mt) {
+    PyErr_Clear();
+    return;
+  }
+  if (name && std::strcmp(name, "dltensor") == 0) managed_deleter(mt);
+  drop_ref(static_cast<ExportContext*>(mt->manager_ctx));
+}
+
+}  // namespace
+
+nb::object dlpack_capsule(const Tensor& t) {
+  const int32_t device_type = dl_device_type(t.device());
+  auto c = std::make_unique<ExportContext>();
+  c->owner = t.owner();
+  c->shape.assign(t.shape().begin(), t.shape().end());
+  c->strides.assign(t.strides().begin(), t.strides().end());
+  nb::dlpack::dltensor& dl = c->mt.dl_tensor;
+  dl.data = static_cast<char*>(t.data()) + t.byte_offset();
+  dl.device = {device_type, int32_t(t.device().id)};
+  dl.ndim = int32_t(t.ndim());
+  dl.dtype = dl_dtype(t.dtype());
+  dl.shape = c->shape.data();
+  dl.strides = c->strides.data();
+  c->mt.manager_ctx = c.get();
+  c->mt.deleter = managed_deleter;
+  PyObject* capsule = PyCapsule_New(&c->mt, "dltensor", capsule_destructor);
+  if (!capsule) throw nb::python_error();
+  c.release();
+  return nb::steal(capsule);
 }
 
 // Streams as the DLPack consumer / producer code in _arrays.py and memory.py

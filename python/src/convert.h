@@ -12,6 +12,17 @@ Tensor to_tensor(const nanobind::ndarray<nanobind::ro>& a, const char* arg, bool
 // A tensor_ops.Tensor as is, or any array nanobind can import (buffer, DLPack).
 Tensor to_tensor(nanobind::handle h, const char* arg, bool as_bfloat16 = false);
 
+// DLPack's names for a tensor's dtype and device type. A device DLPack has
+// no name for (a backend other than host, cuda, hip, opencl, sycl) raises
+// BufferError, the spec's answer to "cannot export".
+nanobind::dlpack::dtype dl_dtype(DType t);
+int32_t dl_device_type(const Device& d);
+
+// Tensor.__dlpack__: a "dltensor" capsule whose data stays alive (the
+// tensor's owner) until the consumer's deleter runs, or until the capsule
+// dies unconsumed. Safe whatever the consumer does: see the note in convert.cpp.
+nanobind::object dlpack_capsule(const Tensor& t);
+
 // _C._exchange_stream, _current_stream, _has_streams, _stream_wait.
 void init_streams(nanobind::module_& m);
 

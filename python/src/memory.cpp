@@ -18,26 +18,6 @@ namespace nb = nanobind;
 namespace tensor_ops::python {
 namespace {
 
-nb::dlpack::dtype dl_dtype(DType t) {
-  switch (t) {
-    case DType::Float32: return nb::dtype<float>();
-    case DType::Float16: return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
-    case DType::BFloat16: return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
-    case DType::Int32: return nb::dtype<int32_t>();
-    case DType::Int64: return nb::dtype<int64_t>();
-  }
-  return nb::dtype<float>();
-}
-
-int32_t dl_device_type(const Device& d) {
-  if (d.is_host()) return nb::device::cpu::value;
-  if (d.backend == "cuda") return nb::device::cuda::value;
-  if (d.backend == "hip") return nb::device::rocm::value;
-  if (d.backend == "opencl") return nb::device::opencl::value;
-  if (d.backend == "sycl") return nb::device::oneapi::value;
-  return nb::device::cpu::value;  // unreachable for known backends
-}
-
 // The tensor as an nb::ndarray view whose owner keeps the pool block alive.
 template <class... Framework>
 auto as_ndarray(const Tensor& t, bool bits_as_uint16 = false) {
@@ -81,9 +61,9 @@ void init_memory(nb::module_& m) {
         return as_ndarray<nb::numpy>(h, true);
       })
       .def("__dlpack__", [](const Tensor& t, nb::kwargs) {
-        // A legacy "dltensor" capsule (nanobind's export); host data needs no
-        // stream synchronisation, device plugins synchronise in their copies.
-        return nb::cast(as_ndarray(t));
+        // A legacy "dltensor" capsule; host data needs no stream
+        // synchronisation, device plugins synchronise in their copies.
+        return dlpack_capsule(t);
       })
       .def("__dlpack_device__", [](const Tensor& t) { return nb::make_tuple(dl_device_type(t.device()), t.device().id); })
       .def("__repr__", [](const Tensor& t) { return "tensor_ops.Tensor(" + t.describe() + ", device=" + device_name(t.device()) + ")"; });

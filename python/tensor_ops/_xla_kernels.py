@@ -61,6 +61,24 @@ def _act(xf, act: str):
     return 0.5 * xf * lax.erfc(-xf * (1.0 / math.sqrt(2.0)))  # erfc keeps the negative tail accurate
 
 
+def _act_grad(xf, act: str):
+    """d act / dx in torch's formulas, not through autodiff: jax's vjp of
+    x * sigmoid(x) adds dy * sigmoid(x) to x * (dy * sigmoid'(x)), which is
+    NaN (inf + 0 * inf) for dy = inf at x = 0 where torch's dy * act'(x) is
+    inf; the special values then follow torch's."""
+    jax, jnp, lax = _mods()
+    if act == "silu":
+        s = jax.nn.sigmoid(xf)
+        return s * (1.0 + xf * (1.0 - s))
+    if act == "tanh":
+        k = math.sqrt(2.0 / math.pi)
+        x_sq = xf * xf
+        t = jnp.tanh(k * (xf + 0.044715 * x_sq * xf))
+        return 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * (k * (1.0 + 3.0 * 0.044715 * x_sq))
+    cdf = 0.5 * lax.erfc(-xf * (1.0 / math.sqrt(2.0)))
+    return cdf + xf * (1.0 / math.sqrt(2.0 * math.pi)) * jnp.exp(-0.5 * xf * xf)
+
+
 @_jit()
 def rms_norm(x, w, eps):
     return _rms(_acc(x), _acc(w), eps).astype(x.dtype)
@@ -218,12 +236,13 @@ def layer_norm_backward(dy, x, w, eps, bias):
 
 @_jit("act")
 def act_backward(dy, x, act):
-    return _vjp(lambda a: _act(a, act), (x,), dy)[0]
+    return (_acc(dy) * _act_grad(_acc(x), act)).astype(x.dtype)
 
 
 @_jit("act")
 def glu_backward(dy, g, u, act):
-    return _vjp(lambda a, b: _act(a, act) * b, (g, u), dy)
+    d, gf, uf = _acc(dy), _acc(g), _acc(u)
+    return (d * uf * _act_grad(gf, act)).astype(g.dtype), (d * _act(gf, act)).astype(u.dtype)
 
 
 @_jit("log")

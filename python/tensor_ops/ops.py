@@ -107,11 +107,15 @@ def _softmax(x, dim, scale, causal, log):
 
 def softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
     """softmax(scale * x) along dim, numerically stable. causal masks
-    [..., i, j] for j > i + (cols - rows) (bottom-right aligned)."""
+    [..., i, j] for j > i + (cols - rows) (bottom-right aligned); with more
+    rows than columns the first rows see no column and are all 0 (torch's
+    masked softmax gives NaN there), on every backend."""
     return _softmax(x, dim, scale, causal, False)
 
 
 def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
+    """log(softmax(scale * x)) along dim; a causal row that sees no column
+    is all -inf (the log of softmax's 0)."""
     return _softmax(x, dim, scale, causal, True)
 
 

@@ -1,0 +1,198 @@
+"""Activations and their backward at special values (inf, -inf, NaN, +-0,
+huge finite) against torch's CPU answer, on every backend usable here: the
+CPU kernels (vector body and scalar tail), OpenCL and the XLA shim. Same
+NaN positions, same infinities, other values within the dtype's tolerance
+(the sign of a zero is not compared: torch's own vector and scalar paths
+disagree on it). Plus: a causal softmax row with no visible column is 0
+(log_softmax: -inf) on every backend."""
+import math
+
+import numpy as np
+import pytest
+
+import tensor_ops
+from conftest import DTYPES, np_dtype
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+TORCH_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+RTOL = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.6e-2}
+ATOL = {"float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-3}
+
+
+def specials(dtype):
+    big = float(torch.finfo(TORCH_DT[dtype]).max) * 0.9
+    vals = [math.inf, -math.inf, math.nan, 0.0, -0.0, big, -big, 1e4, -1e4, 100.0, -100.0, 20.0, -20.0, 1.5, -1.5]
+    return np.array(vals, dtype=np.float64)
+
+
+def _act(name, approximate):
+    if name == "silu":
+        return F.silu
+    return lambda t: F.gelu(t, approximate=approximate)
+
+
+# The ops under test: name -> (number of array inputs, tensor_ops call, torch reference on float tensors).
+def _torch_bwd(f, xs, dy, wrt):
+    ts = [x.detach().clone().requires_grad_(True) for x in xs]
+    y = f(*ts)
+    return torch.autograd.grad(y, [ts[i] for i in wrt], dy)
+
+
+def _ops():
+    ops = {}
+    for act, approximate in [("silu", "none"), ("gelu", "none"), ("gelu", "tanh")]:
+        key = act if approximate == "none" else "gelu_tanh"
+        f = _act(act, approximate)
+        if act == "silu":
+            ops[key] = (1, lambda x: tensor_ops.silu(x), lambda x, f=f: (f(x),))
+            ops[key + "_backward"] = (2, lambda dy, x: tensor_ops.silu_backward(dy, x),
+                                      lambda dy, x, f=f: _torch_bwd(f, [x], dy, [0]))
+            glu, glu_bwd = (lambda g, u: tensor_ops.swiglu(g, u)), (lambda dy, g, u: tensor_ops.swiglu_backward(dy, g, u))
+            gname = "swiglu"
+        else:
+            ops[key] = (1, lambda x, a=approximate: tensor_ops.gelu(x, a), lambda x, f=f: (f(x),))
+            ops[key + "_backward"] = (2, lambda dy, x, a=approximate: tensor_ops.gelu_backward(dy, x, a),
+                                      lambda dy, x, f=f: _torch_bwd(f, [x], dy, [0]))
+            glu = lambda g, u, a=approximate: tensor_ops.geglu(g, u, a)
+            glu_bwd = lambda dy, g, u, a=approximate: tensor_ops.geglu_backward(dy, g, u, a)
+            gname = "geglu" if approximate == "none" else "geglu_tanh"
+        ops[gname] = (2, glu, lambda g, u, f=f: (f(g) * u,))
+        ops[gname + "_backward"] = (3, glu_bwd, lambda dy, g, u, f=f: _torch_bwd(lambda a, b: f(a) * b, [g, u], dy, [0, 1]))
+    return ops
+
+
+OPS = _ops()
+
+
+def _inputs(n_in, dtype):
+    """Every combination of special values over the inputs (a backward's dy
+    too), each repeated 16 times (whole vector lanes)."""
+    s = specials(dtype)
+    # a gated backward's dy: fewer values (15^3 combinations would be slow)
+    dy = np.array([1.0, -2.0, math.inf, -math.inf, math.nan, 0.0, s[5]])
+    grids = np.meshgrid(*([dy] if n_in == 3 else []), *([s] * min(n_in, 2)), indexing="ij")
+    return [np.repeat(g.ravel(), 16) for g in grids]
+
+
+def torch_reference(name, arrays, dtype):
+    """torch's answer. A single activation (or its backward) runs in the
+    dtype itself; a gated unit's composite rounds its intermediate products
+    to 16 bits where tensor_ops computes in fp32 and rounds once, so it runs
+    in float32 on the rounded inputs and is rounded at the end."""
+    n_in, _, ref = OPS[name]
+    gated = name.startswith(("swiglu", "geglu"))
+    tdt = torch.float32 if gated else TORCH_DT[dtype]
+    ts = [torch.from_numpy(a.astype(np.float32)).to(TORCH_DT[dtype]).to(tdt) for a in arrays]
+    outs = ref(*ts)
+    return [o.detach().to(TORCH_DT[dtype]).to(torch.float64).numpy() for o in outs]
+
+
+def check(name, dtype, got, ref, where):
+    got = [np.asarray(g, dtype=np.float64) for g in (got if isinstance(got, tuple) else (got,))]
+    assert len(got) == len(ref)
+    for k, (g, r) in enumerate(zip(got, ref)):
+        what = f"{name} output {k} {dtype} on {where}"
+        bad = np.isnan(g) != np.isnan(r)
+        bad |= np.isinf(r) & (g != r)
+        bad |= np.isinf(g) & (g != r)
+        fin = np.isfinite(g) & np.isfinite(r)
+        with np.errstate(invalid="ignore"):
+            bad |= fin & ~(np.abs(g - r) <= RTOL[dtype] * np.abs(r) + ATOL[dtype])
+        assert not bad.any(), f"{what}: {int(bad.sum())} mismatches, first got {g[bad][:6]} torch {r[bad][:6]} at {np.flatnonzero(bad)[:6]}"
+
+
+def _args(name, dtype):
+    return _inputs(OPS[name][0], dtype)
+
+
+def _cast(arrays, dtype):
+    return [a.astype(np.float32).astype(np_dtype(dtype)) for a in arrays]
+
+
+def _run_numpy(name, arrays, dtype):
+    out = OPS[name][1](*_cast(arrays, dtype))
+    return tuple(np.asarray(o).astype(np.float64) for o in (out if isinstance(out, tuple) else (out,)))
+
+
+def _run_tail(name, arrays, dtype):
+    """Each combination alone (an array of one element: the scalar tail)."""
+    n = len(arrays[0])
+    picks = range(0, n, 16)
+    outs = None
+    for i in picks:
+        got = _run_numpy(name, [a[i : i + 1] for a in arrays], dtype)
+        outs = [[] for _ in got] if outs is None else outs
+        for o, g in zip(outs, got):
+            o.append(g[0])
+    return tuple(np.array(o) for o in outs), [a[::16] for a in arrays]
+
+
+NAMES = sorted(OPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", NAMES)
+def test_cpu_matches_torch_at_special_values(name, dtype):
+    arrays = _args(name, dtype)
+    with tensor_ops.use("cpu"):
+        check(name, dtype, _run_numpy(name, arrays, dtype), torch_reference(name, arrays, dtype), "cpu (vector lanes)")
+        got, small = _run_tail(name, arrays, dtype)
+        check(name, dtype, got, torch_reference(name, small, dtype), "cpu (scalar tail)")
+
+
+def _backend_usable(name):
+    for b in tensor_ops.backends():
+        if b.name == name:
+            return b.usable, b.reason
+    return False, f"{name} is not listed"
+
+
+OPENCL_USABLE, OPENCL_REASON = _backend_usable("opencl")
+
+
+@pytest.mark.skipif(not OPENCL_USABLE, reason=f"opencl is not usable here: {OPENCL_REASON}")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", NAMES)
+def test_opencl_matches_torch_at_special_values(name, dtype):
+    arrays = _args(name, dtype)
+    with tensor_ops.use("opencl"):
+        check(name, dtype, _run_numpy(name, arrays, dtype), torch_reference(name, arrays, dtype), "opencl")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", NAMES)
+def test_xla_matches_torch_at_special_values(name, dtype):
+    jnp = pytest.importorskip("jax.numpy")
+    arrays = _args(name, dtype)
+    xs = [jnp.asarray(a) for a in _cast(arrays, dtype)]
+    out = OPS[name][1](*xs)
+    got = tuple(np.asarray(o).astype(np.float64) for o in (out if isinstance(out, tuple) else (out,)))
+    check(name, dtype, got, torch_reference(name, arrays, dtype), "xla")
+
+
+# ---- a causal softmax row with no visible column ---------------------------
+
+def _empty_row_softmax(log):
+    # 3 query rows over 2 keys, bottom-right aligned: row 0 sees no key.
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    return tensor_ops.log_softmax(x, causal=True) if log else tensor_ops.softmax(x, causal=True)
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_causal_softmax_row_with_no_visible_column_is_documented_value_on_every_backend(log):
+    expect = -np.inf if log else 0.0
+    backends = ["cpu"] + (["opencl"] if OPENCL_USABLE else [])
+    for b in backends:
+        with tensor_ops.use(b):
+            y = np.asarray(_empty_row_softmax(log), dtype=np.float64)
+        assert np.all(y[0] == expect), f"{b}: row 0 = {y[0]}, documented {expect}"
+        assert np.all(np.isfinite(y[1:]) | (y[1:] == expect)), f"{b}: {y}"
+    try:
+        import jax.numpy as jnp
+    except ImportError:
+        return
+    x = jnp.asarray(np.arange(6, dtype=np.float32).reshape(3, 2))
+    y = np.asarray(tensor_ops.log_softmax(x, causal=True) if log else tensor_ops.softmax(x, causal=True))
+    assert np.all(y[0] == expect), f"xla: row 0 = {y[0]}, documented {expect}"
