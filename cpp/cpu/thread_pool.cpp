@@ -42,7 +42,7 @@ int read_num_threads() {
   return cpus;
 }
 
-ThreadPool* forking_pool = nullptr;  // the pool the fork handlers act on (Note [fork])
+std::atomic<ThreadPool*> forking_pool{nullptr};  // the pool the fork handlers act on (Note [fork])
 
 }  // namespace
 
@@ -73,19 +73,21 @@ ThreadPool::~ThreadPool() {
 
 // Note [fork]: the lock order is parallel_for's (run_mutex_, then m_).
 void ThreadPool::before_fork() {
-  if (!forking_pool) return;
-  forking_pool->run_mutex_.lock();  // waits for a running region to finish
-  forking_pool->m_.lock();
+  ThreadPool* p = forking_pool.load();
+  if (!p) return;
+  p->run_mutex_.lock();  // waits for a running region to finish
+  p->m_.lock();
 }
 
 void ThreadPool::after_fork_in_parent() {
-  if (!forking_pool) return;
-  forking_pool->m_.unlock();
-  forking_pool->run_mutex_.unlock();
+  ThreadPool* p = forking_pool.load();
+  if (!p) return;
+  p->m_.unlock();
+  p->run_mutex_.unlock();
 }
 
 void ThreadPool::after_fork_in_child() {
-  ThreadPool* p = forking_pool;
+  ThreadPool* p = forking_pool.load();
   if (!p) return;
   // The handles name threads this process does not have: joining or
   // destroying them is undefined, so they are moved out and never destroyed.

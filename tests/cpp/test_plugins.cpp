@@ -147,7 +147,7 @@ TEST_F(PluginTest, WrongAbiMockIsListedWithTheVersions) {
 // Each mocknull_<entry> plugin's table has that entry NULL (mock_plugin.cpp):
 // refused when loaded, listed with the entry named, never called.
 TEST_F(PluginTest, MalformedTablesAreListedUnusableWithTheNullEntry) {
-  const std::vector<std::string> entries = split_list(TENSOR_OPS_MOCK_NULL_ENTRIES, ';');
+  const std::vector<std::string> entries = split_list(TENSOR_OPS_MOCK_NULL_ENTRIES);
   ASSERT_EQ(entries.size(), 12u);
   for (const std::string& entry : entries) {
     SCOPED_TRACE(entry);
