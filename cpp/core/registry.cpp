@@ -5,10 +5,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <cstring>
 #include <mutex>
 
 #include "../cpu/cpu_backend.h"
+#include "../cpu/thread_pool.h"
 #include "env.h"
 #include "tensor_ops/errors.h"
 #include "tensor_ops/ops.h"
@@ -32,6 +35,36 @@ SelectionEnv selection_env() {
       r.priority = v + sizeof kPriority - 1;
   }
   return r;
+}
+
+bool parse_long(const char* s, long* out) {
+  if (!s || !(std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '-' || s[0] == '+')) return false;
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(s, &end, 10);
+  if (errno == ERANGE || end == s || *end != '\0') return false;
+  *out = v;
+  return true;
+}
+
+namespace {
+std::mutex env_warnings_mutex;
+std::vector<std::string>& env_warning_list() {
+  static auto* list = new std::vector<std::string>();  // never freed: read until exit
+  return *list;
+}
+}  // namespace
+
+void add_env_warning(const char* name, const char* value, const std::string& problem, const std::string& used) {
+  std::lock_guard<std::mutex> lock(env_warnings_mutex);
+  env_warning_list().push_back(std::string(name) + "='" + value + "' " + problem + "; using " + used + " instead");
+}
+
+std::vector<std::string> environment_warnings() {
+  cpu::default_num_threads();
+  cpu::active_isa();
+  std::lock_guard<std::mutex> lock(env_warnings_mutex);
+  return env_warning_list();
 }
 
 std::vector<std::string> split_list(const std::string& s, char sep) {
@@ -75,9 +108,14 @@ Backend::Backend(const to_backend_v1* table, std::string library, void* handle)
 
 int Backend::device_count() const { return usable_ ? table_->device_count() : 0; }
 
+void Backend::disable(std::string reason) {
+  usable_ = false;
+  reason_ = std::move(reason);
+}
+
 void Backend::check(to_status status, const char* what) const {
   if (status == TO_OK) return;
-  const char* msg = table_->last_error ? table_->last_error() : nullptr;
+  const char* msg = table_->last_error();
   throw_status(status, name_ + ": " + what + ": " + (msg && *msg ? msg : "failed"));
 }
 
@@ -99,6 +137,31 @@ std::vector<BuildInfo> build_backends() {
   return out;
 }
 
+// What makes a plugin's table unusable ("NULL 'copy'"), or "" when it is
+// well formed. Every entry the core calls unconditionally is required; the
+// kernels (NULL: unsupported op) and stream_wait (NULL: no streams) are not.
+std::string table_problem(const to_backend_v1& t) {
+  if (!t.name) return "NULL 'name'";
+  if (!*t.name) return "an empty 'name'";
+  const std::pair<const char*, bool> required[] = {
+      {"init", t.init != nullptr},
+      {"priority", t.priority != nullptr},
+      {"device_count", t.device_count != nullptr},
+      {"device_info", t.device_info != nullptr},
+      {"mem_info", t.mem_info != nullptr},
+      {"allocate", t.allocate != nullptr},
+      {"deallocate", t.deallocate != nullptr},
+      {"copy", t.copy != nullptr},
+      {"memset", t.memset != nullptr},
+      {"synchronize", t.synchronize != nullptr},
+      {"last_error", t.last_error != nullptr},
+  };
+  std::string missing;
+  for (const auto& [entry, present] : required)
+    if (!present) missing += (missing.empty() ? "NULL '" : ", NULL '") + std::string(entry) + "'";
+  return missing.empty() ? "" : missing + " (required entries of to_backend_v1, tensor_ops/plugin.h)";
+}
+
 }  // namespace
 
 Registry& Registry::instance() {
@@ -106,7 +169,37 @@ Registry& Registry::instance() {
   return r;
 }
 
+// Note [fork]: fork() copies only the calling thread. A vendor runtime (CUDA,
+// OpenCL, SYCL) initialised in the parent has threads and driver state the
+// child lacks, and calls into it hang or fail there; so in the child every
+// backend whose table lacks TO_BACKEND_FORK_SAFE is marked unusable, with a
+// reason that names the cure, before any op can reach it. The CPU backend is
+// fork-safe (its thread pool resets itself, cpu/thread_pool.h). The registry's
+// own lock is taken around fork() so the child never inherits it held.
+namespace {
+std::atomic<Registry*> constructed_registry{nullptr};  // set once the constructor has loaded every plugin
+}
+
+void Registry::before_fork() { registry_mutex.lock(); }
+void Registry::after_fork_in_parent() { registry_mutex.unlock(); }
+
+void Registry::after_fork_in_child() {
+  registry_mutex.unlock();
+  Registry* reg = constructed_registry.load(std::memory_order_acquire);
+  if (!reg) return;
+  Registry& r = *reg;
+  for (const auto& b : r.backends_)
+    if (b->usable() && !(b->table().flags & TO_BACKEND_FORK_SAFE))
+      b->disable(b->name() + " runtime was initialised in the parent process before fork(); vendor runtimes do "
+                             "not survive fork: start worker processes with the 'spawn' or 'forkserver' method "
+                             "(multiprocessing.set_start_method('spawn'), or DataLoader(..., "
+                             "multiprocessing_context='spawn')), or use the CPU backend in the child");
+  // Per-thread caches of the automatic choice may name a backend just disabled.
+  r.generation_.fetch_add(1, std::memory_order_acq_rel);
+}
+
 Registry::Registry() {
+  pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
   add(std::make_unique<Backend>(cpu::cpu_backend_table(), "built-in", nullptr));
   load_plugins_from(core_library_dir());
   for (const std::string& dir : split_list(env_str("TENSOR_OPS_PLUGIN_PATH"), ':')) load_plugins_from(dir);
@@ -124,6 +217,7 @@ Registry::Registry() {
     s.compiled = b.reason.empty();
     missing_.push_back(s);
   }
+  constructed_registry.store(this, std::memory_order_release);
 }
 
 void Registry::add(std::unique_ptr<Backend> backend) {
@@ -170,6 +264,12 @@ void Registry::load_plugins_from(const std::string& dir) {
     if (table->abi_version < TENSOR_OPS_PLUGIN_ABI_MIN_VERSION || table->abi_version > TENSOR_OPS_PLUGIN_ABI_VERSION) {
       fail("plugin ABI version " + std::to_string(table->abi_version) + ", core expects " +
            std::to_string(TENSOR_OPS_PLUGIN_ABI_MIN_VERSION) + " to " + std::to_string(TENSOR_OPS_PLUGIN_ABI_VERSION));
+      dlclose(handle);
+      continue;
+    }
+    const std::string malformed = table_problem(*table);
+    if (!malformed.empty()) {
+      fail("plugin table from " + path + " has " + malformed);
       dlclose(handle);
       continue;
     }
@@ -300,7 +400,8 @@ Backend& Registry::active_in(const char* forced, const char* order) const {
       !scope_stack.empty() && (scope_stack.back() == "auto" || find_external(scope_stack.back().c_str()));
   if (!scope_stack.empty() && !auto_scope) return require(scope_stack.back());
   if (!auto_scope) {
-    if (Backend* b = selected_backend_.load(std::memory_order_acquire)) return *b;
+    // Usable unless a fork() since set_backend() disabled it: require() says why.
+    if (Backend* b = selected_backend_.load(std::memory_order_acquire)) return b->usable() ? *b : require(b->name());
   }
   // The automatic choice depends only on two environment variables: cached
   // per thread against their current values (read by the caller in one scan).

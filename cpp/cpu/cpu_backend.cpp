@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../core/env.h"
 #include "attention_tiles.h"
 #include "isa.h"
 #include "tensor_ops/bad_index.h"
@@ -79,15 +80,17 @@ const IsaKernels* pick_level(const std::string& name) {
 
 const IsaKernels* initial_level() {
   const char* env = std::getenv("TENSOR_OPS_CPU_ISA");
+  const IsaKernels* best = supported_levels().back();
   if (env && *env && std::string(env) != "auto") {
     // A level above what the CPU has falls back to the best it has.
     try {
       return pick_level(env);
-    } catch (const Unsupported&) {
-    } catch (const InvalidArgument&) {
+    } catch (const Error& e) {
+      add_env_warning("TENSOR_OPS_CPU_ISA", env, std::string("is not usable (") + e.what() + ")",
+                      std::string("'") + best->name + "' (the best level this CPU runs)");
     }
   }
-  return supported_levels().back();
+  return best;
 }
 
 std::atomic<const IsaKernels*>& level() {
@@ -377,6 +380,7 @@ const char* cpu_last_error() { return last_error_text.c_str(); }
 
 to_backend_v1 make_table() {
   to_backend_v1 t{};
+  t.flags = TO_BACKEND_FORK_SAFE;  // the thread pool resets itself in a forked child
   t.abi_version = TENSOR_OPS_PLUGIN_ABI_VERSION;
   t.name = "cpu";
   t.init = cpu_init;

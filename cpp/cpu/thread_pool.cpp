@@ -1,17 +1,20 @@
 #include "thread_pool.h"
 
+#include <pthread.h>
 #include <sched.h>
 
-#include <cstdlib>
+#include <new>
 #include <string>
+
+#include "../core/env.h"
 
 namespace tensor_ops::cpu {
 
-int default_num_threads() {
-  if (const char* env = std::getenv("TENSOR_OPS_NUM_THREADS")) {
-    int n = std::atoi(env);
-    if (n >= 1) return n > 1024 ? 1024 : n;
-  }
+namespace {
+
+constexpr int kMaxThreads = 1024;
+
+int cpus_available() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) {
     int n = CPU_COUNT(&set);
@@ -21,14 +24,85 @@ int default_num_threads() {
   return hc ? int(hc) : 1;
 }
 
+int read_num_threads() {
+  const char* env = std::getenv("TENSOR_OPS_NUM_THREADS");
+  if (!env || !*env) return cpus_available();
+  long n = 0;
+  const bool whole = parse_long(env, &n);
+  if (whole && n >= 1 && n <= kMaxThreads) return int(n);
+  if (whole && n > kMaxThreads) {
+    add_env_warning("TENSOR_OPS_NUM_THREADS", env, "is above the limit of " + std::to_string(kMaxThreads) +
+                                                       " threads", std::to_string(kMaxThreads));
+    return kMaxThreads;
+  }
+  const int cpus = cpus_available();
+  add_env_warning("TENSOR_OPS_NUM_THREADS", env,
+                  "is not a whole number from 1 to " + std::to_string(kMaxThreads),
+                  std::to_string(cpus) + " (the CPUs this process may run on)");
+  return cpus;
+}
+
+std::atomic<ThreadPool*> forking_pool{nullptr};  // the pool the fork handlers act on (Note [fork])
+
+}  // namespace
+
+int default_num_threads() {
+  static const int n = read_num_threads();  // read once: a bad value warns once
+  return n;
+}
+
 ThreadPool& ThreadPool::instance() {
   static ThreadPool pool(default_num_threads());
   return pool;
 }
 
-ThreadPool::ThreadPool(int threads) : num_threads_(threads < 1 ? 1 : threads) { start_workers(); }
+ThreadPool::ThreadPool(int threads) : num_threads_(threads < 1 ? 1 : threads) {
+  start_workers();
+  forking_pool = this;
+  pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
+}
 
-ThreadPool::~ThreadPool() { stop_workers(); }
+ThreadPool::~ThreadPool() {
+  // Under the locks: a fork() in another thread holds them while it runs.
+  {
+    std::lock_guard<std::mutex> run(run_mutex_);
+    forking_pool = nullptr;
+  }
+  stop_workers();
+}
+
+// Note [fork]: the lock order is parallel_for's (run_mutex_, then m_).
+void ThreadPool::before_fork() {
+  ThreadPool* p = forking_pool.load();
+  if (!p) return;
+  p->run_mutex_.lock();  // waits for a running region to finish
+  p->m_.lock();
+}
+
+void ThreadPool::after_fork_in_parent() {
+  ThreadPool* p = forking_pool.load();
+  if (!p) return;
+  p->m_.unlock();
+  p->run_mutex_.unlock();
+}
+
+void ThreadPool::after_fork_in_child() {
+  ThreadPool* p = forking_pool.load();
+  if (!p) return;
+  // The handles name threads this process does not have: joining or
+  // destroying them is undefined, so they are moved out and never destroyed.
+  new std::vector<std::thread>(std::move(p->workers_));  // leaves workers_ empty
+  // Waiters of the parent's workers are recorded inside the condition
+  // variables; destroying them would wait for those waiters forever.
+  new (&p->start_cv_) std::condition_variable();
+  new (&p->done_cv_) std::condition_variable();
+  p->pending_ = 0;
+  p->stop_ = false;
+  p->fn_ = nullptr;
+  p->workers_started_ = false;
+  p->m_.unlock();
+  p->run_mutex_.unlock();
+}
 
 int ThreadPool::num_threads() const { return num_threads_.load(std::memory_order_relaxed); }
 
@@ -36,6 +110,7 @@ int ThreadPool::num_threads() const { return num_threads_.load(std::memory_order
 void ThreadPool::start_workers() {
   const uint64_t seen = generation_;
   for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i, seen] { worker(i, seen); });
+  workers_started_ = true;
 }
 
 void ThreadPool::stop_workers() {
@@ -50,7 +125,7 @@ void ThreadPool::stop_workers() {
 }
 
 void ThreadPool::set_num_threads(int threads) {
-  threads = threads < 1 ? 1 : threads > 1024 ? 1024 : threads;
+  threads = threads < 1 ? 1 : threads > kMaxThreads ? kMaxThreads : threads;
   std::lock_guard<std::mutex> run(run_mutex_);  // waits for a running region to finish
   if (threads == num_threads_) return;
   stop_workers();
@@ -103,6 +178,7 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     fn(0, n);
     return;
   }
+  if (!workers_started_) start_workers();  // the first region in a forked child
   {
     std::lock_guard<std::mutex> lock(m_);
     fn_ = &fn;

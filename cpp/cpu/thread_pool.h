@@ -3,6 +3,13 @@
 // TENSOR_OPS_NUM_THREADS environment variable, else the CPUs this process may
 // run on. One parallel region at a time; a caller that finds the pool busy
 // (another thread's op) runs its work inline instead of waiting.
+//
+// Note [fork]: fork() copies only the calling thread. pthread_atfork handlers
+// take the pool's locks before fork (so no region is half-run and no lock is
+// held by a thread the child lacks), release them in the parent, and in the
+// child reset the bookkeeping: the parent's worker handles are abandoned (the
+// threads do not exist there), the condition variables are re-created (their
+// waiters vanished) and the first parallel region starts new workers.
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -32,6 +39,9 @@ class ThreadPool {
   explicit ThreadPool(int threads);
   void start_workers();
   void stop_workers();
+  static void before_fork();
+  static void after_fork_in_parent();
+  static void after_fork_in_child();
   void worker(int index, uint64_t seen);
   void run_chunks(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int64_t chunks);
 
@@ -46,8 +56,12 @@ class ThreadPool {
   std::atomic<int64_t> next_{0};  // the next chunk to hand out
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   bool stop_ = false;
+  bool workers_started_ = false;  // false in a child forked after they started (Note [fork])
 };
 
+// TENSOR_OPS_NUM_THREADS when it is a whole number from 1 to 1024 (a larger
+// one is capped at 1024), else the CPUs this process may run on; a malformed
+// value is reported once through environment_warnings() (core/env.h).
 int default_num_threads();
 
 }  // namespace tensor_ops::cpu

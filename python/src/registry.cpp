@@ -3,6 +3,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "../../cpp/core/env.h"
 #include "../../cpp/cpu/cpu_backend.h"
 #include "tensor_ops/registry.h"
 
@@ -54,6 +55,8 @@ void init_registry(nb::module_& m) {
   m.def("pop_scope", [] { Registry::instance().pop_scope(); });
   m.def("load_plugins_from", [](const std::string& dir) { Registry::instance().load_plugins_from(dir); });
   m.def("core_library_dir", &core_library_dir);
+  m.def("environment_warnings", &environment_warnings,
+        "Malformed TENSOR_OPS_* environment variables: one sentence each, naming the value used instead.");
   m.def("cpu_supported_isas", &cpu::supported_isas);
   m.def("cpu_active_isa", &cpu::active_isa);
   m.def("cpu_set_isa", &cpu::set_isa);

@@ -170,3 +170,14 @@ __all__ = _ops_all + [
     "configure",
     "get_config",
 ]
+
+# Malformed TENSOR_OPS_* variables (TENSOR_OPS_NUM_THREADS=4abc, ...) are
+# not fatal: the core uses a default and says so here, once, at import.
+def _log_environment_warnings() -> None:
+    import logging
+
+    for warning in _C.environment_warnings():
+        logging.getLogger("tensor_ops").warning("%s", warning)
+
+
+_log_environment_warnings()

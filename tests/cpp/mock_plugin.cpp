@@ -2,7 +2,9 @@
 //   mock        usable, priority 10, one device, silu for float32 only;
 //   mockbroken  init() fails as if its vendor runtime were missing;
 //   mockbadabi  its table claims an ABI version the core does not speak;
-//   mockv1      an ABI-1 table (before stream_wait): still loads, no streams.
+//   mockv1      an ABI-1 table (before stream_wait): still loads, no streams;
+//   mocknull_<entry>  the table's <entry> (a required function, or name) is
+//               NULL: the core must refuse it with the reason, not crash.
 // Its "device memory" is host memory, so tests can read what a kernel wrote.
 #include <atomic>
 #include <cmath>
@@ -143,6 +145,9 @@ to_backend_v1 make_table() {
   t.kernels[int(tensor_ops::OpId::silu)] = mock_silu;
 #if TENSOR_OPS_MOCK_ABI_VERSION >= 2
   t.stream_wait = mock_stream_wait;
+#endif
+#ifdef TENSOR_OPS_MOCK_NULL_ENTRY
+  t.TENSOR_OPS_MOCK_NULL_ENTRY = nullptr;
 #endif
   return t;
 }

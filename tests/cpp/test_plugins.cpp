@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend_scope.h"
+#include "core/env.h"
 #include "host_buffer.h"
 #include "scoped_env.h"
 #include "status_of.h"
@@ -141,6 +142,28 @@ TEST_F(PluginTest, WrongAbiMockIsListedWithTheVersions) {
   EXPECT_THAT(s->library, EndsWith("/libtensor_ops_mockbadabi.so"));
   EXPECT_EQ(reg_.find("mockbadabi"), nullptr);
   EXPECT_THAT(thrown_message<BackendUnavailable>([&] { reg_.require("mockbadabi"); }), HasSubstr("ABI version"));
+}
+
+// Each mocknull_<entry> plugin's table has that entry NULL (mock_plugin.cpp):
+// refused when loaded, listed with the entry named, never called.
+TEST_F(PluginTest, MalformedTablesAreListedUnusableWithTheNullEntry) {
+  const std::vector<std::string> entries = split_list(TENSOR_OPS_MOCK_NULL_ENTRIES);
+  ASSERT_EQ(entries.size(), 12u);
+  for (const std::string& entry : entries) {
+    SCOPED_TRACE(entry);
+    const std::string name = "mocknull_" + entry;
+    const std::string path = kPluginDir + "/libtensor_ops_" + name + ".so";
+    const std::optional<BackendStatus> s = status_of(name);
+    ASSERT_TRUE(s.has_value());
+    EXPECT_TRUE(s->compiled);
+    EXPECT_FALSE(s->usable);
+    EXPECT_THAT(s->reason, HasSubstr("plugin table from " + path + " has NULL '" + entry + "'"));
+    EXPECT_EQ(s->library, path);
+    EXPECT_EQ(reg_.find(name), nullptr);
+    EXPECT_THAT(thrown_message<BackendUnavailable>([&] { reg_.require(name); }), HasSubstr("NULL '" + entry + "'"));
+  }
+  HostBuffer x(DType::Float32, 4), y(DType::Float32, 4);  // the CPU still runs
+  silu(x.tensor({4}), y.tensor({4}));
 }
 
 TEST_F(PluginTest, LoadingTwiceChangesNothing) {

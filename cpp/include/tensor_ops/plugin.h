@@ -93,6 +93,12 @@ typedef to_status (*to_kernel_fn)(const to_op_call* call);
 
 /* to_backend_v1.flags */
 #define TO_BACKEND_HANDLE_MEMORY 1u /* device memory is a handle (cl_mem) + byte_offset, not a pointer */
+/* The backend keeps working in a child forked after it initialised (it holds
+ * no threads or driver state that fork() breaks, or resets them itself with
+ * pthread_atfork). Without this flag the core reports the backend unusable in
+ * such a child, with the reason, instead of calling into a vendor runtime
+ * (CUDA, OpenCL, SYCL) that fork() left without its threads. */
+#define TO_BACKEND_FORK_SAFE 2u
 
 typedef struct to_backend_v1 {
   uint32_t abi_version; /* TENSOR_OPS_PLUGIN_ABI_VERSION */

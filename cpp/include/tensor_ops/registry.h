@@ -38,6 +38,8 @@ class Backend {
   int device_count() const;
   // Throws the matching Error with the backend's last_error() on failure.
   void check(to_status status, const char* what) const;
+  // Marks a usable backend unusable (a child forked after it initialised).
+  void disable(std::string reason);
 
  private:
   const to_backend_v1* table_;
@@ -93,6 +95,10 @@ class Registry {
  private:
   Registry();
   void add(std::unique_ptr<Backend> backend);
+  // pthread_atfork handlers (Note [fork] in registry.cpp).
+  static void before_fork();
+  static void after_fork_in_parent();
+  static void after_fork_in_child();
   std::vector<Backend*> by_priority() const;
   Backend& resolve_auto(const std::string& forced, const std::string& order) const;
   // active() and external_choice() given the environment, read once per call.
