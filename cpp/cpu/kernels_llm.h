@@ -158,23 +158,27 @@ int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) 
 
 // ---- softmax --------------------------------------------------------------
 
+// Keys query i (of Lq) sees under causal mode 1 (bottom-right: j <= i + Lk - Lq)
+// or 2 (top-left: j <= i); see kCausal* in ops.h.
+inline int64_t causal_visible(int64_t mode, int64_t i, int64_t Lq, int64_t Lk) {
+  const int64_t n = i + 1 + (mode == 2 ? 0 : Lk - Lq);
+  return n < 0 ? 0 : (n > Lk ? Lk : n);
+}
+
 template <DType D>
 int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &x = c.inputs[0], &y = c.outputs[0];
   const int64_t cols = x.shape[1];
   const float scale = float(c.scalars[0]);
-  const bool causal = c.ints[0], log = c.ints[1], nt = c.ints[7];
+  const int64_t causal = c.ints[0];
+  const bool log = c.ints[1], nt = c.ints[7];
   const int64_t lq = c.ints[2] > 0 ? c.ints[2] : 1;
   const float masked = log ? -__builtin_inff() : 0.0f;
   constexpr int64_t item = dtype_size(D);
   float* v = scratch;
   for (int64_t r = r0; r < r1; ++r) {
     int64_t valid = cols;
-    if (causal) {
-      const int64_t i = r % lq;
-      valid = i + cols - lq + 1;
-      valid = valid < 0 ? 0 : (valid > cols ? cols : valid);
-    }
+    if (causal) valid = causal_visible(causal, r % lq, lq, cols);
     // Pass 1 reads x; the others find the row in cache. A row holding a NaN,
     // or whose max is infinite, is all NaN (as the sum would make it: inf -
     // inf); the others have x - m <= 0 and take exp_nonpos_t.
@@ -414,11 +418,7 @@ int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
       qv[d] *= scale;
       acc[d] = 0;
     }
-    int64_t nk = Lk;
-    if (c.ints[0]) {
-      nk = i + Lk - Lq + 1;
-      nk = nk < 0 ? 0 : (nk > Lk ? Lk : nk);
-    }
+    const int64_t nk = c.ints[0] ? causal_visible(c.ints[0], i, Lq, Lk) : Lk;
     const int64_t kbase = (b * Hkv + kvh) * Lk;
     float m = ninf;
     double l = 0;
@@ -474,11 +474,7 @@ int attention_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float* scr
         const int64_t row = (b * Hq + h) * Lq + i;
         for (int64_t d = 0; d < Dm; ++d) dqv[d] = 0;
         const float L = static_cast<const float*>(lse.data)[row];
-        int64_t nk = Lk;
-        if (c.ints[0]) {
-          nk = i + Lk - Lq + 1;
-          nk = nk < 0 ? 0 : (nk > Lk ? Lk : nk);
-        }
+        const int64_t nk = c.ints[0] ? causal_visible(c.ints[0], i, Lq, Lk) : Lk;
         if (L != -__builtin_inff() && nk > 0) {
           ld<D>(q.data, row * Dm, Dm, qv);
           ld<D>(dout.data, row * Dm, Dm, dov);

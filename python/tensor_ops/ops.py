@@ -10,6 +10,7 @@ import numpy as np
 
 from . import _C
 from ._arrays import Arg, empty_like, fast_call, run
+from .errors import InvalidArgumentError
 
 
 def _eps(eps) -> float:
@@ -91,9 +92,19 @@ def _moved(x, dim):
     raise ValueError("dim != -1 needs a numpy array or torch tensor")
 
 
-def _softmax(x, dim, scale, causal, log):
+CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def causal_mode(causal, causal_alignment: str) -> int:
+    """The kernels' causal mode: 0 none, 1 bottom-right, 2 top-left."""
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise InvalidArgumentError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}")
+    return 0 if not causal else (1 if causal_alignment == "bottom_right" else 2)
+
+
+def _softmax(x, dim, scale, causal, log, causal_alignment="bottom_right"):
     if dim == -1 and type(scale) is float and type(causal) is bool and getattr(x, "ndim", 0) >= 1:
-        y = fast_call(_C.softmax, x, (), 1, scale, causal, log)
+        y = fast_call(_C.softmax, x, (), 1, scale, causal_mode(causal, causal_alignment), log)
         if y is not None:
             return y
     if causal and dim not in (-1, len(getattr(x, "shape", ())) - 1):
@@ -101,18 +112,20 @@ def _softmax(x, dim, scale, causal, log):
     xm, back = _moved(x, dim)
     a = Arg(xm, "x")
     out = empty_like(a)
-    run(_C.softmax, [a], [out], float(scale), bool(causal), log)
+    run(_C.softmax, [a], [out], float(scale), causal_mode(causal, causal_alignment), log)
     return back(out)
 
 
-def softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
+def softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False, *, causal_alignment: str = "bottom_right"):
     """softmax(scale * x) along dim, numerically stable. causal masks
-    [..., i, j] for j > i + (cols - rows) (bottom-right aligned)."""
-    return _softmax(x, dim, scale, causal, False)
+    [..., i, j] for j > i + (cols - rows) (causal_alignment "bottom_right")
+    or j > i ("top_left"); a row that sees no column is 0."""
+    return _softmax(x, dim, scale, causal, False, causal_alignment)
 
 
-def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
-    return _softmax(x, dim, scale, causal, True)
+def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False, *,
+                causal_alignment: str = "bottom_right"):
+    return _softmax(x, dim, scale, causal, True, causal_alignment)
 
 
 def _softmax_bwd(dy, y, dim, scale, log):
@@ -241,28 +254,33 @@ def _scale(scale, head_dim):
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def attention(q, k, v, causal: bool = False, scale: float | None = None, *, return_lse: bool = False):
+def attention(q, k, v, causal: bool = False, scale: float | None = None, *, return_lse: bool = False,
+              causal_alignment: str = "bottom_right"):
     """softmax(scale * q k^T) v, memory-efficient (online softmax), layout
     [batch, heads, seq, head_dim]; k/v may have fewer heads (grouped-query:
-    kv heads divide q heads). causal is bottom-right aligned. With
-    return_lse, also the float32 log-sum-exp [batch, heads, seq] the backward
-    needs."""
+    kv heads divide q heads). causal_alignment "bottom_right" (the default):
+    query i sees keys j <= i + Lk - Lq (the last query sees every key; when
+    Lq > Lk the first Lq - Lk queries see none: their output is 0 and their
+    lse -inf, with zero gradients); "top_left" (torch SDPA's is_causal):
+    j <= i. With return_lse, also the float32 log-sum-exp [batch, heads,
+    seq] the backward needs."""
     aq, ak, av = Arg(q, "q"), Arg(k, "k"), Arg(v, "v")
     shape = tuple(aq.array.shape)
     if len(shape) != 4:
         raise ValueError(f"attention: q must be [batch, heads, seq, head_dim], got shape {shape}")
     out = empty_like(aq)
     lse = empty_like(aq, shape[:3], "float32")
-    run(_C.attention, [aq, ak, av], [out, lse], bool(causal), _scale(scale, shape[3]))
+    run(_C.attention, [aq, ak, av], [out, lse], causal_mode(causal, causal_alignment), _scale(scale, shape[3]))
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None):
+def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None, *,
+                       causal_alignment: str = "bottom_right"):
     """(dq, dk, dv) of attention, given its out and lse."""
     ad, aq, ak, av, ao, al = (Arg(t, n) for t, n in
                               [(dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse")])
     dq, dk, dv = empty_like(aq), empty_like(ak), empty_like(av)
-    run(_C.attention_backward, [ad, aq, ak, av, ao, al], [dq, dk, dv], bool(causal),
+    run(_C.attention_backward, [ad, aq, ak, av, ao, al], [dq, dk, dv], causal_mode(causal, causal_alignment),
         _scale(scale, tuple(aq.array.shape)[3]))
     return dq, dk, dv
 
