@@ -1,8 +1,8 @@
 // Attention, forward and backward, flash style: no [Lq, Lk] matrix in
 // memory. q [B, Hq, Lq, D], k / v [B, Hkv, Lk, D] (Hkv divides Hq: query
 // head h reads kv head h / (Hq / Hkv)), all contiguous; lse float32
-// [B, Hq, Lq]. causal is bottom-right aligned: query i sees keys
-// j <= i + Lk - Lq. fp32 math on tiles staged in shared memory.
+// [B, Hq, Lq]. causal: query i sees keys j <= i + offset, offset Lk - Lq
+// (mode 1, bottom-right aligned) or 0 (mode 2, top-left). fp32 math on tiles staged in shared memory.
 //
 // Forward: a block per tile of query rows streams key / value tiles through
 // shared memory with an online softmax (running max, sum and rescaled
@@ -23,6 +23,7 @@ struct AttnDims {
   int D;
   float scale;
   bool causal;
+  int64_t offset;  // causal: query i sees keys j <= i + offset
 };
 
 // A block's accumulators: rows * D elements of a tile, kAttnAcc per thread.
@@ -34,7 +35,7 @@ constexpr int kAttnSmemFloats = 12288;
 
 // Keys query i sees: [0, visible_keys(i)).
 __device__ __forceinline__ int64_t visible_keys(const AttnDims& a, int64_t i) {
-  return a.causal ? clamp64(i + a.Lk - a.Lq + 1, 0, a.Lk) : a.Lk;
+  return a.causal ? clamp64(i + a.offset + 1, 0, a.Lk) : a.Lk;
 }
 
 __device__ __forceinline__ float dot(const float* x, const float* y, int n) {
@@ -251,7 +252,7 @@ __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
     for (int t = 0; t < kAttnAcc; ++t) acc_k[t] = acc_v[t] = 0.0f;
     // The first query that sees key j0 (causal); earlier ones see none of the tile.
-    const int64_t i_first = a.causal ? clamp64(j0 - (a.Lk - a.Lq), 0, a.Lq) : 0;
+    const int64_t i_first = a.causal ? clamp64(j0 - a.offset, 0, a.Lq) : 0;
     for (int64_t h = bkv % a.Hkv * group; h < (bkv % a.Hkv + 1) * group; ++h) {
       const int64_t bh = bkv / a.Hkv * a.Hq + h;
       for (int64_t i0 = i_first; i0 < a.Lq; i0 += BQ) {
@@ -344,7 +345,8 @@ to_status check_head_dim(const char* op, int64_t D) {
 
 AttnDims dims_of(const to_op_call* c, const to_tensor& q, const to_tensor& k) {
   return AttnDims{q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], int(q.shape[3]),
-                  float(c->scalars[0]), c->ints[0] != 0};
+                  float(c->scalars[0]), c->ints[0] != 0,
+                  c->ints[0] == 2 ? 0 : k.shape[2] - q.shape[2]};
 }
 
 unsigned grid_for(int64_t tiles) { return unsigned(std::clamp<int64_t>(tiles, 1, kMaxGridBlocks)); }

@@ -13,17 +13,17 @@ namespace {
 
 // y = softmax(scale * x) (log_softmax when log). causal: row r is query
 // i = r % lq of the last two dims and sees columns j < i + cols - lq + 1
-// (bottom-right aligned); a row that sees nothing is 0 (log: -inf), as are
+// (causal 1, bottom-right aligned) or j < i + 1 (causal 2, top-left); a row that sees nothing is 0 (log: -inf), as are
 // the masked columns. y may be x (in place): chunk i stays with one thread.
 template <class T, int V>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     softmax_kernel(const T* x, int64_t x_stride, T* y, int64_t y_stride, int64_t rows, int64_t cols, float scale,
-                   bool causal, int64_t lq, bool log) {
+                   int causal, int64_t lq, bool log) {
   const int64_t chunks = cols / V;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * x_stride;
     T* yr = y + r * y_stride;
-    const int64_t valid = causal ? clamp64(r % lq + cols - lq + 1, 0, cols) : cols;
+    const int64_t valid = causal ? clamp64(r % lq + (causal == 2 ? 0 : cols - lq) + 1, 0, cols) : cols;
     float m = kNegInf, s = 0.0f;
     for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
       float a[V];
@@ -143,7 +143,7 @@ to_status softmax_typed(const to_op_call* c, cudaStream_t stream) {
     constexpr int V = decltype(v)::value;
     softmax_kernel<T, V><<<row_blocks(rows), row_block_threads(cols / V), 0, stream>>>(
         element0<const T>(xt), xt.strides[0], element0<T>(yt), yt.strides[0], rows, cols, float(c->scalars[0]),
-        c->ints[0] != 0, lq, c->ints[1] != 0);
+        int(c->ints[0]), lq, c->ints[1] != 0);
     TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
     return TO_OK;
   });

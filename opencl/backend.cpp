@@ -481,7 +481,7 @@ to_status run_softmax(const to_op_call* c) {
   cl_kernel k = l.p->kernels[kSoftmax];
   std::lock_guard<std::mutex> lock(l.p->launch_mutex);
   TENSOR_OPS_CL_RETURN_IF_ERROR(set_kernel_args(
-      k, bx, rstride(x), by, rstride(y), cl_ulong(cols), cl_float(c->scalars[0]), cl_int(c->ints[0] != 0),
+      k, bx, rstride(x), by, rstride(y), cl_ulong(cols), cl_float(c->scalars[0]), cl_int(c->ints[0]),
       cl_int(c->ints[1] != 0), cl_ulong(c->ints[2] > 0 ? c->ints[2] : 1), LocalFloats{row_group_for(l, cols)}));
   return enqueue_rows(l, k, rows, cols);
 }
@@ -662,7 +662,7 @@ to_status run_attention(const to_op_call* c) {
   std::lock_guard<std::mutex> lock(l.p->launch_mutex);
   TENSOR_OPS_CL_RETURN_IF_ERROR(set_kernel_args(kk, bq, bk, bv, bo, blse, cl_ulong(Hq), cl_ulong(Hkv), cl_ulong(Lq),
                                                 cl_ulong(Lk), cl_ulong(D), cl_float(c->scalars[0]),
-                                                cl_int(c->ints[0] != 0), LocalFloats{D}, LocalFloats{D},
+                                                cl_int(c->ints[0]), LocalFloats{D}, LocalFloats{D},
                                                 LocalFloats{G}, LocalFloats{G}));
   return enqueue(*l.d, kk, 1, &global, &G);
 }
@@ -688,7 +688,7 @@ to_status run_attention_backward(const to_op_call* c) {
   TENSOR_OPS_CL_RETURN_IF_ERROR(check_local(l, 4 * D + 2 * G, "attention_backward"));
   const size_t qrows = B * Hq * Lq, krows = B * Hkv * Lk;
   const cl_float scale = cl_float(c->scalars[0]);
-  const cl_int causal = c->ints[0] != 0;
+  const cl_int causal = cl_int(c->ints[0]);  // 0 none, 1 bottom-right, 2 top-left
   TempBuffer delta;
   TENSOR_OPS_CL_RETURN_IF_ERROR(temp_buffer(*l.d, qrows * sizeof(cl_float), &delta));
   std::lock_guard<std::mutex> lock(l.p->launch_mutex);

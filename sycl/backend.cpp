@@ -477,13 +477,13 @@ to_status run_norm_backward(const to_op_call* call) {
   });
 }
 
-// ints[0] causal, ints[1] log, ints[2] the query length (rows per causal block).
+// ints[0] causal mode, ints[1] log, ints[2] the query length (rows per causal block).
 to_status run_softmax(const to_op_call* call) {
   return run(call, "softmax", [&](Call& c) {
     const to_tensor &x = call->inputs[0], &y = call->outputs[0];
     const sycl::kernel k = c.kernel("to_softmax");
     c.groups(k, size_t(x.shape[0]), c.local(k, row_group(x.shape[1])), at(x), at(y), int64_t(x.shape[1]),
-             int64_t(x.strides[0]), int64_t(y.strides[0]), float(call->scalars[0]), int32_t(call->ints[0] != 0),
+             int64_t(x.strides[0]), int64_t(y.strides[0]), float(call->scalars[0]), int32_t(call->ints[0]),
              int32_t(call->ints[1] != 0), int64_t(call->ints[2] > 0 ? call->ints[2] : 1));
     return TO_OK;
   });
@@ -565,7 +565,7 @@ size_t attention_group(const Call& c, const sycl::kernel& k, int64_t len, int64_
 }
 
 // q [B, Hq, Lq, D], k, v [B, Hkv, Lk, D] -> out, lse float32 [B, Hq, Lq];
-// scalars[0] scale; ints[0] causal.
+// scalars[0] scale; ints[0] causal mode (0 none, 1 bottom-right, 2 top-left).
 to_status run_attention(const to_op_call* call) {
   return run(call, "attention", [&](Call& c) {
     const to_tensor &q = call->inputs[0], &k = call->inputs[1], &v = call->inputs[2], &o = call->outputs[0],
@@ -574,7 +574,7 @@ to_status run_attention(const to_op_call* call) {
                   Lk = k.shape[2];
     const sycl::kernel kern = c.kernel("to_attention");
     c.groups(kern, size_t(B * Hq * Lq), attention_group(c, kern, Lk, D), at(q), at(k), at(v), at(o), at(lse), Hq,
-             Hkv, Lq, Lk, D, float(call->scalars[0]), int32_t(call->ints[0] != 0));
+             Hkv, Lq, Lk, D, float(call->scalars[0]), int32_t(call->ints[0]));
     return TO_OK;
   });
 }
@@ -589,7 +589,7 @@ to_status run_attention_backward(const to_op_call* call) {
     const int64_t B = q.shape[0], Hq = q.shape[1], Lq = q.shape[2], D = q.shape[3], Hkv = k.shape[1],
                   Lk = k.shape[2];
     const float scale = float(call->scalars[0]);
-    const int32_t causal = call->ints[0] != 0;
+    const int32_t causal = int32_t(call->ints[0]);  // 0 none, 1 bottom-right, 2 top-left
     const int64_t qrows = B * Hq * Lq;
     std::lock_guard<std::mutex> lock(c.d->work_mutex);
     float* delta = scratch_floats(*c.d, size_t(qrows));

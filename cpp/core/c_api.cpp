@@ -199,7 +199,7 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
       layer_norm_backward(*in[0], *in[1], *in[2], *out[0], *out[1], out[2], scalars[0]);
       break;
     case OpId::add_rms_norm: add_rms_norm(*in[0], *in[1], *in[2], *out[0], *out[1], scalars[0]); break;
-    case OpId::softmax: softmax(*in[0], *out[0], scalars[0], ints[0] != 0, ints[1] != 0); break;
+    case OpId::softmax: softmax(*in[0], *out[0], scalars[0], int(ints[0]), ints[1] != 0); break;
     case OpId::softmax_backward: softmax_backward(*in[0], *in[1], *out[0], scalars[0], ints[0] != 0); break;
     case OpId::activation_backward:
       activation_backward(*in[0], *in[1], *out[0], Activation(ints[0]));
@@ -209,9 +209,9 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
       glu_backward(*in[0], *in[1], *in[2], *out[0], *out[1], Activation(ints[0]));
       break;
     case OpId::rope: rope(*in[0], *in[1], *in[2], *in[3], *out[0], ints[0] != 0, ints[1] != 0); break;
-    case OpId::attention: attention(*in[0], *in[1], *in[2], *out[0], *out[1], ints[0] != 0, scalars[0]); break;
+    case OpId::attention: attention(*in[0], *in[1], *in[2], *out[0], *out[1], int(ints[0]), scalars[0]); break;
     case OpId::attention_backward:
-      attention_backward(*in[0], *in[1], *in[2], *in[3], *in[4], *in[5], *out[0], *out[1], *out[2], ints[0] != 0,
+      attention_backward(*in[0], *in[1], *in[2], *in[3], *in[4], *in[5], *out[0], *out[1], *out[2], int(ints[0]),
                          scalars[0]);
       break;
     case OpId::cross_entropy: cross_entropy(*in[0], *in[1], *out[0], out[1], ints[0], scalars[0]); break;

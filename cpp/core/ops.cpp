@@ -467,10 +467,17 @@ static void check_scale(const char* op, double scale) {
   if (!std::isfinite(scale)) throw InvalidArgument(std::string(op) + ": scale must be finite, got " + std::to_string(scale));
 }
 
-void softmax(const Tensor& x, const Tensor& out, double scale, bool causal, bool log) {
+static void check_causal(const char* op, int causal) {
+  if (causal != kCausalNone && causal != kCausalBottomRight && causal != kCausalTopLeft)
+    throw InvalidArgument(std::string(op) + ": causal must be 0 (none), 1 (bottom-right) or 2 (top-left), got " +
+                          std::to_string(causal));
+}
+
+void softmax(const Tensor& x, const Tensor& out, double scale, int causal, bool log) {
   const char* op = log ? "log_softmax" : "softmax";
   check_float(op, "x", x);
   check_scale(op, scale);
+  check_causal(op, causal);
   if (causal) check_rank(op, x, 2);
   check_out(op, out, x, {});
   if (x.numel() == 0) return;
@@ -591,11 +598,12 @@ static void check_attention_shapes(const char* op, const Tensor& q, const Tensor
                           ") must divide q heads (" + std::to_string(q.shape()[1]) + ")");
 }
 
-void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, int causal,
                double scale) {
   const char* op = "attention";
   check_attention_shapes(op, q, k, v);
   check_scale(op, scale);
+  check_causal(op, causal);
   check_out(op, out, q, {&k, &v});
   check_float32_out(op, "lse", lse, std::vector<int64_t>(q.shape().begin(), q.shape().end() - 1));
   check_same_device(op, "lse", lse, q);
@@ -608,11 +616,12 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
 }
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, bool causal,
+                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, int causal,
                         double scale) {
   const char* op = "attention_backward";
   check_attention_shapes(op, q, k, v);
   check_scale(op, scale);
+  check_causal(op, causal);
   check_like(op, "dout", dout, q);
   check_like(op, "out", out, q);
   check_like(op, "dq", dq, q);

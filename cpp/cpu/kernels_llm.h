@@ -158,23 +158,27 @@ int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) 
 
 // ---- softmax --------------------------------------------------------------
 
+// Keys query i (of Lq) sees under causal mode 1 (bottom-right: j <= i + Lk - Lq)
+// or 2 (top-left: j <= i); see kCausal* in ops.h.
+inline int64_t causal_visible(int64_t mode, int64_t i, int64_t Lq, int64_t Lk) {
+  const int64_t n = i + 1 + (mode == 2 ? 0 : Lk - Lq);
+  return n < 0 ? 0 : (n > Lk ? Lk : n);
+}
+
 template <DType D>
 int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &x = c.inputs[0], &y = c.outputs[0];
   const int64_t cols = x.shape[1];
   const float scale = float(c.scalars[0]);
-  const bool causal = c.ints[0], log = c.ints[1], nt = c.ints[7];
+  const int64_t causal = c.ints[0];
+  const bool log = c.ints[1], nt = c.ints[7];
   const int64_t lq = c.ints[2] > 0 ? c.ints[2] : 1;
   const float masked = log ? -__builtin_inff() : 0.0f;
   constexpr int64_t item = dtype_size(D);
   float* v = scratch;
   for (int64_t r = r0; r < r1; ++r) {
     int64_t valid = cols;
-    if (causal) {
-      const int64_t i = r % lq;
-      valid = i + cols - lq + 1;
-      valid = valid < 0 ? 0 : (valid > cols ? cols : valid);
-    }
+    if (causal) valid = causal_visible(causal, r % lq, lq, cols);
     // Pass 1 reads x; the others find the row in cache. A row holding a NaN,
     // or whose max is infinite, is all NaN (as the sum would make it: inf -
     // inf); the others have x - m <= 0 and take exp_nonpos_t.
@@ -397,9 +401,10 @@ int rope_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
 // ---- attention ---------------------------------------------------------------
 
 // Causal attention shows key j to query position i when j <= i + offset:
-// bottom-right aligned (ints[0] == 1), offset Lk - Lq.
+// offset Lk - Lq bottom-right aligned (ints[0] == 1), 0 top-left (2); see
+// causal_visible and kCausal* in ops.h.
 inline int64_t attention_causal_offset(const to_op_call& c, int64_t Lq, int64_t Lk) {
-  return c.ints[0] ? Lk - Lq : 0;
+  return c.ints[0] == 2 ? 0 : Lk - Lq;
 }
 
 #include "attention_flash.h"

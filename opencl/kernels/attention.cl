@@ -1,6 +1,7 @@
 // Attention with grouped-query heads, q [B, Hq, Lq, D], k / v [B, Hkv, Lk, D]
-// (contiguous), flash style: scores never reach global memory. Causal masks
-// are bottom-right aligned: query i sees keys j < i + Lk - Lq + 1.
+// (contiguous), flash style: scores never reach global memory. causal 1 is
+// bottom-right aligned (query i sees keys j < i + Lk - Lq + 1), 2 top-left
+// (j < i + 1).
 //
 // Forward: a work-group per query row (b, h, i); keys in blocks of the group
 // size G, item t scoring key j0 + t; online softmax (running max m and sum
@@ -8,9 +9,11 @@
 // local memory, dimension d owned by item d % G. Writes out and
 // lse = m + log(l) (-inf for a row that sees no key, its out 0).
 
+inline long causal_offset(ulong Lq, ulong Lk, int causal) { return causal == 2 ? 0L : (long)Lk - (long)Lq; }
+
 inline ulong causal_keys(ulong i, ulong Lq, ulong Lk, int causal) {
   if (!causal) return Lk;
-  return (ulong)clamp((long)i + (long)Lk - (long)Lq + 1, 0L, (long)Lk);
+  return (ulong)clamp((long)i + causal_offset(Lq, Lk, causal) + 1, 0L, (long)Lk);
 }
 
 inline float dot_local_global(const __local float* a, const __global T* b, ulong b0, ulong D) {
@@ -135,8 +138,8 @@ __kernel void attention_bwd_dkdv(const __global T* dout, ulong do_off, const __g
   const uint lid = get_local_id(0), G = get_local_size(0);
   const ulong j = krow % Lk, bk = krow / Lk, b = bk / Hkv, kvh = bk % Hkv;
   const ulong group = Hq / Hkv;
-  // Queries i >= j - (Lk - Lq) see key j under the causal mask.
-  const ulong i0 = causal ? (ulong)clamp((long)j - (long)Lk + (long)Lq, 0L, (long)Lq) : 0;
+  // Queries i >= j - offset see key j under the causal mask.
+  const ulong i0 = causal ? (ulong)clamp((long)j - causal_offset(Lq, Lk, causal), 0L, (long)Lq) : 0;
   const ulong per_head = Lq - i0, pairs = group * per_head;
   for (ulong d = lid; d < D; d += G) {
     ks[d] = load_f32(k, k_off + krow * D + d);

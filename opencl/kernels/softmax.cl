@@ -2,15 +2,16 @@
 // a work-group per row (reduce.cl), fp32, the CPU backend's semantics.
 
 // y = softmax(scale * x) over the first `valid` columns of the row, 0 (log:
-// -inf) past them; causal: valid = clamp(row % lq + cols - lq + 1, 0, cols)
-// (bottom-right aligned). A fully masked row is all 0 (log: -inf). The last
+// -inf) past them; causal 1: valid = clamp(row % lq + cols - lq + 1, 0, cols)
+// (bottom-right aligned), 2: clamp(row % lq + 1, 0, cols) (top-left). A fully masked row is all 0 (log: -inf). The last
 // pass reads x before writing y at the same place: y may be x.
 __kernel void softmax(const __global T* x, ulong x_off, ulong x_stride, __global T* y, ulong y_off, ulong y_stride,
                       ulong cols, float scale, int causal, int log_out, ulong lq, __local float* red) {
   const ulong row = get_group_id(0);
   const ulong xr = x_off + row * x_stride, yr = y_off + row * y_stride;
   ulong valid = cols;
-  if (causal) valid = (ulong)clamp((long)(row % lq) + (long)cols - (long)lq + 1, 0L, (long)cols);
+  if (causal)
+    valid = (ulong)clamp((long)(row % lq) + (causal == 2 ? 0L : (long)cols - (long)lq) + 1, 0L, (long)cols);
   const float ninf = -INFINITY;
   float8 mx = ninf;
   TO_ROW_CHUNKS(valid) mx = fmax(mx, load8n(x, xr + c, n, ninf) * scale);

@@ -115,7 +115,7 @@ void init_ops(nb::module_& m) {
       nb::arg("bf16") = false);
   m.def(
       "softmax",
-      [](Array x, Array out, double scale, bool causal, bool log, bool bf16) {
+      [](Array x, Array out, double scale, int causal, bool log, bool bf16) {
         Tensor a = to_tensor(x, "x", bf16), b = to_tensor(out, "out", bf16);
         ReleaseIfBig release(a);
         softmax(a, b, scale, causal, log);
@@ -173,7 +173,7 @@ void init_ops(nb::module_& m) {
       nb::arg("inverse"), nb::arg("bf16") = false);
   m.def(
       "attention",
-      [](Array q, Array k, Array v, Array out, Array lse, bool causal, double scale, bool bf16) {
+      [](Array q, Array k, Array v, Array out, Array lse, int causal, double scale, bool bf16) {
         Tensor a = to_tensor(q, "q", bf16), b = to_tensor(k, "k", bf16), c = to_tensor(v, "v", bf16),
                d = to_tensor(out, "out", bf16), e = to_tensor(lse, "lse");
         nb::gil_scoped_release release;
@@ -183,7 +183,7 @@ void init_ops(nb::module_& m) {
       nb::arg("bf16") = false);
   m.def(
       "attention_backward",
-      [](Array dout, Array q, Array k, Array v, Array out, Array lse, Array dq, Array dk, Array dv, bool causal,
+      [](Array dout, Array q, Array k, Array v, Array out, Array lse, Array dq, Array dk, Array dv, int causal,
          double scale, bool bf16) {
         Tensor t0 = to_tensor(dout, "dout", bf16), t1 = to_tensor(q, "q", bf16), t2 = to_tensor(k, "k", bf16),
                t3 = to_tensor(v, "v", bf16), t4 = to_tensor(out, "out", bf16), t5 = to_tensor(lse, "lse"),

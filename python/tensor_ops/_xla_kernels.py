@@ -113,12 +113,13 @@ def add_rms_norm(x, r, w, eps):
     return _rms(_acc(s), _acc(w), eps).astype(x.dtype), s
 
 
-def _causal_keep(rows: int, cols: int):
-    """[rows, cols] True where key j is visible to query i (bottom-right aligned)."""
+def _causal_keep(rows: int, cols: int, mode: int = 1):
+    """[rows, cols] True where key j is visible to query i: j <= i + cols -
+    rows (mode 1, bottom-right aligned) or j <= i (mode 2, top-left)."""
     jnp = _jax().numpy
     i = jnp.arange(rows)[:, None]
     j = jnp.arange(cols)[None, :]
-    return j <= i + (cols - rows)
+    return j <= i + (0 if mode == 2 else cols - rows)
 
 
 def _masked_softmax(v, keep, log: bool):
@@ -141,7 +142,7 @@ def _masked_softmax(v, keep, log: bool):
 @_jit("causal", "log")
 def softmax(x, scale, causal, log):
     v = _acc(x) * scale
-    keep = _causal_keep(*x.shape[-2:]) if causal else None
+    keep = _causal_keep(*x.shape[-2:], causal) if causal else None
     return _masked_softmax(v, keep, log).astype(x.dtype)
 
 
@@ -175,7 +176,7 @@ def _attn(qf, kf, vf, scale, causal):
     # of a TensorOpsConfig); jit's cache key includes that setting.
     hi = lax.Precision.HIGHEST if jax.config.jax_default_matmul_precision is None else None
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, kf, precision=hi) * scale
-    keep = _causal_keep(Lq, Lk) if causal else None
+    keep = _causal_keep(Lq, Lk, causal) if causal else None
     if keep is not None:
         s = jnp.where(keep, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)

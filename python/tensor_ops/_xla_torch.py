@@ -55,14 +55,14 @@ def add_rms_norm(x, residual, weight, eps: float):
     return rms_norm(s, weight, eps), s
 
 
-def _causal_keep(rows: int, cols: int, device):
-    # Bottom-right aligned: query i sees keys j <= i + (cols - rows).
-    return torch.ones(rows, cols, dtype=torch.bool, device=device).tril(cols - rows)
+def _causal_keep(rows: int, cols: int, device, mode: int = 1):
+    # Query i sees keys j <= i + (cols - rows) (mode 1, bottom-right aligned) or j <= i (2, top-left).
+    return torch.ones(rows, cols, dtype=torch.bool, device=device).tril(0 if mode == 2 else cols - rows)
 
 
-def softmax(x, dim: int, scale: float, causal: bool, log: bool):
+def softmax(x, dim: int, scale: float, causal: int, log: bool):
     v = _acc(x) * float(scale)
-    keep = _causal_keep(x.shape[-2], x.shape[-1], x.device) if causal else None
+    keep = _causal_keep(x.shape[-2], x.shape[-1], x.device, causal) if causal else None
     if keep is not None:
         v = v.masked_fill(~keep, float("-inf"))
     # A fully masked row gives NaN in torch; the native ops give 0 (log: -inf).
@@ -94,15 +94,16 @@ def rope(x, cos, sin, positions, interleaved: bool, inverse: bool):
     return torch.cat([rot, rest], dim=-1).to(x.dtype)
 
 
-def attention(q, k, v, causal: bool, scale):
-    """(out, float32 lse); grouped-query by repeating k/v over q heads."""
+def attention(q, k, v, causal: int, scale):
+    """causal: 0 none, 1 bottom-right, 2 top-left."""
+    # (out, float32 lse); grouped-query by repeating k/v over q heads.
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     g = q.shape[1] // k.shape[1]
     kf, vf = _acc(k).repeat_interleave(g, 1), _acc(v).repeat_interleave(g, 1)
     s = _acc(q) @ kf.transpose(-1, -2) * scale
     if causal:
-        s = s.masked_fill(~_causal_keep(q.shape[2], k.shape[2], q.device), float("-inf"))
+        s = s.masked_fill(~_causal_keep(q.shape[2], k.shape[2], q.device, causal), float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.nan_to_num(torch.softmax(s, -1))  # fully masked rows: 0, not NaN
     return (p @ vf).to(q.dtype), lse.float()

@@ -89,9 +89,18 @@ def _moved(x, dim):
     raise ValueError("dim != -1 needs a numpy array or torch tensor")
 
 
-def _softmax(x, dim, scale, causal, log):
+CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def causal_mode(causal, causal_alignment: str) -> int:
+    """The kernels' causal mode: 0 none, 1 bottom-right, 2 top-left."""
+    _checks.choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
+    return 0 if not causal else (1 if causal_alignment == "bottom_right" else 2)
+
+
+def _softmax(x, dim, scale, causal, log, causal_alignment="bottom_right"):
     if dim == -1 and type(scale) is float and type(causal) is bool and getattr(x, "ndim", 0) >= 1:
-        y = fast_call(_C.softmax, x, (), 1, scale, causal, log)
+        y = fast_call(_C.softmax, x, (), 1, scale, causal_mode(causal, causal_alignment), log)
         if y is not None:
             return y
     Arg(x, "x")  # a TypeError for what is not an array, before its shape is read
@@ -101,22 +110,23 @@ def _softmax(x, dim, scale, causal, log):
         raise InvalidArgumentError("causal softmax works on the last dim only")
     a = Arg(xm, "x")
     out = empty_like(a)
-    run(_C.softmax, [a], [out], scale, causal, log)
+    run(_C.softmax, [a], [out], scale, causal_mode(causal, causal_alignment), log)
     return back(out)
 
 
-def softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
+def softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False, *, causal_alignment: str = "bottom_right"):
     """softmax(scale * x) along dim, numerically stable. causal masks
-    [..., i, j] for j > i + (cols - rows) (bottom-right aligned); with more
-    rows than columns the first rows see no column and are all 0 (torch's
+    [..., i, j] for j > i + (cols - rows) (causal_alignment "bottom_right")
+    or j > i ("top_left"); a row that sees no column is all 0 (torch's
     masked softmax gives NaN there), on every backend."""
-    return _softmax(x, dim, scale, causal, False)
+    return _softmax(x, dim, scale, causal, False, causal_alignment)
 
 
-def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
+def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False, *,
+                causal_alignment: str = "bottom_right"):
     """log(softmax(scale * x)) along dim; a causal row that sees no column
     is all -inf (the log of softmax's 0)."""
-    return _softmax(x, dim, scale, causal, True)
+    return _softmax(x, dim, scale, causal, True, causal_alignment)
 
 
 def _softmax_bwd(dy, y, dim, scale, log):
@@ -250,28 +260,33 @@ def _scale(scale, shape):
     return 1.0 / math.sqrt(shape[3]) if scale is None else _checks.real("scale", scale)
 
 
-def attention(q, k, v, causal: bool = False, scale: float | None = None, *, return_lse: bool = False):
+def attention(q, k, v, causal: bool = False, scale: float | None = None, *, return_lse: bool = False,
+              causal_alignment: str = "bottom_right"):
     """softmax(scale * q k^T) v, memory-efficient (online softmax), layout
     [batch, heads, seq, head_dim]; k/v may have fewer heads (grouped-query:
-    kv heads divide q heads). causal is bottom-right aligned. With
-    return_lse, also the float32 log-sum-exp [batch, heads, seq] the backward
-    needs."""
+    kv heads divide q heads). causal_alignment "bottom_right" (the default):
+    query i sees keys j <= i + Lk - Lq (the last query sees every key; when
+    Lq > Lk the first Lq - Lk queries see none: their output is 0 and their
+    lse -inf, with zero gradients); "top_left" (torch SDPA's is_causal):
+    j <= i. With return_lse, also the float32 log-sum-exp [batch, heads,
+    seq] the backward needs."""
     aq, ak, av = Arg(q, "q"), Arg(k, "k"), Arg(v, "v")
     shape = tuple(aq.array.shape)
     scale, causal = _scale(scale, shape), _checks.flag("causal", causal)
     out = empty_like(aq)
     lse = empty_like(aq, shape[:3], "float32")
-    run(_C.attention, [aq, ak, av], [out, lse], causal, scale)
+    run(_C.attention, [aq, ak, av], [out, lse], causal_mode(causal, causal_alignment), scale)
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None):
+def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None, *,
+                       causal_alignment: str = "bottom_right"):
     """(dq, dk, dv) of attention, given its out and lse."""
     ad, aq, ak, av, ao, al = (Arg(t, n) for t, n in
                               [(dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse")])
     dq, dk, dv = empty_like(aq), empty_like(ak), empty_like(av)
-    run(_C.attention_backward, [ad, aq, ak, av, ao, al], [dq, dk, dv], _checks.flag("causal", causal),
-        _scale(scale, tuple(aq.array.shape)))
+    run(_C.attention_backward, [ad, aq, ak, av, ao, al], [dq, dk, dv],
+        causal_mode(_checks.flag("causal", causal), causal_alignment), _scale(scale, tuple(aq.array.shape)))
     return dq, dk, dv
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from . import _xla_kernels as _k
 from ._xla_kernels import _jax
 from .errors import BackendUnavailableError, DTypeError, InvalidArgumentError, UnsupportedError
+from .ops import causal_mode
 
 NAMES = ("xla", "tpu")  # both select the shim; "tpu" is the name users know
 
@@ -192,7 +193,8 @@ def add_rms_norm(x, residual, weight, eps: float = 1e-6):
     return _k.add_rms_norm(x, residual, weight, _eps("add_rms_norm", eps))
 
 
-def _softmax(op: str, x, dim, scale, causal, log):
+def _softmax(op: str, x, dim, scale, causal, log, causal_alignment):
+    mode = causal_mode(causal, causal_alignment)
     if not is_torch_xla(x):
         x = _as_jax(x)
         _float(op, "x", x)
@@ -207,22 +209,24 @@ def _softmax(op: str, x, dim, scale, causal, log):
         _rank(op, x, 2)
     scale = _scale(op, scale)
     if is_torch_xla(x):
-        return _tx().softmax(x, dim, scale, bool(causal), log)
+        return _tx().softmax(x, dim, scale, mode, log)
     if dim == x.ndim - 1:
-        return _k.softmax(x, scale, bool(causal), log)
+        return _k.softmax(x, scale, mode, log)
     jnp = _jax().numpy
     return jnp.moveaxis(_k.softmax(jnp.moveaxis(x, dim, -1), scale, False, log), -1, dim)
 
 
-def softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
+def softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False, *, causal_alignment: str = "bottom_right"):
     """softmax(scale * x) along dim. causal masks [..., i, j] for
-    j > i + (cols - rows); a fully masked row gives zeros."""
-    return _softmax("softmax", x, dim, scale, causal, False)
+    j > i + (cols - rows) ("bottom_right") or j > i ("top_left"); a fully
+    masked row gives zeros."""
+    return _softmax("softmax", x, dim, scale, causal, False, causal_alignment)
 
 
-def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
+def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False, *,
+                causal_alignment: str = "bottom_right"):
     """log(softmax(scale * x)) along dim; masked entries are -inf."""
-    return _softmax("log_softmax", x, dim, scale, causal, True)
+    return _softmax("log_softmax", x, dim, scale, causal, True, causal_alignment)
 
 
 def _glu(op: str, gate, up, act: str):
@@ -312,28 +316,31 @@ def _attention_args(op: str, q, k, v, scale):
     return q, k, v, scale
 
 
-def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, *, return_lse: bool = False):
+def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, *, return_lse: bool = False,
+              causal_alignment: str = "bottom_right"):
     """softmax(scale * q k^T) v; q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] with
     Hkv dividing Hq (grouped-query); scale defaults to 1/sqrt(D); causal is
-    bottom-right aligned. return_lse adds the float32 log-sum-exp [B, Hq, Lq].
+    aligned as causal_alignment says (tensor_ops.attention's). return_lse adds the float32 log-sum-exp [B, Hq, Lq].
     Scores are materialised per call ([B, Hq, Lq, Lk] fp32): XLA fuses the
     rest, but very long sequences want a flash kernel (Pallas) instead."""
+    mode = causal_mode(causal, causal_alignment)
     if is_torch_xla(q):
-        out, lse = _tx().attention(q, k, v, bool(causal), scale)
+        out, lse = _tx().attention(q, k, v, mode, scale)
         return (out, lse) if return_lse else out
     q, k, v, scale = _attention_args("attention", q, k, v, scale)
-    out, lse = _k.attention(q, k, v, scale, bool(causal))
+    out, lse = _k.attention(q, k, v, scale, mode)
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out=None, lse=None, causal: bool = False, scale: Optional[float] = None):
+def attention_backward(dout, q, k, v, out=None, lse=None, causal: bool = False, scale: Optional[float] = None, *,
+                       causal_alignment: str = "bottom_right"):
     """(dq, dk, dv) of attention; out and lse are accepted for the native
     signature but recomputed."""
     q, k, v, scale = _attention_args("attention_backward", q, k, v, scale)
     dout = _as_jax(dout)
     _float("attention_backward", "dout", dout, q)
     _same_shape("attention_backward", "dout", dout, q)
-    return _k.attention_backward(dout, q, k, v, scale, bool(causal))
+    return _k.attention_backward(dout, q, k, v, scale, causal_mode(causal, causal_alignment))
 
 
 def _ce_args(logits, target, reduction):

@@ -25,13 +25,18 @@ def ref_layer_norm(x, w, b, eps):
     return out + to64(b) if b is not None else out
 
 
+def alignment(causal):
+    """causal False / True (bottom-right) / "top_left" -> causal_alignment."""
+    return "top_left" if causal == "top_left" else "bottom_right"
+
+
 def ref_softmax(x, scale=1.0, causal=False, log=False):
     v = to64(x) * scale
     if causal:
         rows, cols = v.shape[-2:]
         i = np.arange(rows)[:, None]
         j = np.arange(cols)[None, :]
-        v = np.where(j > i + cols - rows, -np.inf, v)
+        v = np.where(j > i + (0 if causal == "top_left" else cols - rows), -np.inf, v)
     m = np.max(v, -1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)
     e = np.exp(v - m)
@@ -177,17 +182,19 @@ ATTN_SHAPES = [  # B, Hq, Hkv, Lq, Lk, D
 ]
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [False, True, "top_left"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
 def test_attention(shape, causal, dtype, target, rng):
     target.require("attention")
     B, Hq, Hkv, Lq, Lk, D = shape
     q, k, v = make(rng, (B, Hq, Lq, D), dtype), make(rng, (B, Hkv, Lk, D), dtype), make(rng, (B, Hkv, Lk, D), dtype)
-    out, lse = to.attention(q, k, v, causal=causal, return_lse=True)
+    al = alignment(causal)
+    out, lse = to.attention(q, k, v, causal=bool(causal), return_lse=True, causal_alignment=al)
     assert lse.dtype == np.float32 and lse.shape == (B, Hq, Lq)
     assert_close(out, ref_attention(q, k, v, causal, 1 / math.sqrt(D)), dtype, "attention")
-    assert_close(to.attention(q, k, v, causal, scale=0.3), ref_attention(q, k, v, causal, 0.3), dtype, "scale")
+    assert_close(to.attention(q, k, v, bool(causal), scale=0.3, causal_alignment=al),
+                 ref_attention(q, k, v, causal, 0.3), dtype, "scale")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -290,21 +297,22 @@ def test_softmax_grads(dtype, target, rng):
 
 
 @needs_torch
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [False, True, "top_left"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ATTN_SHAPES[1:4])
+@pytest.mark.parametrize("shape", ATTN_SHAPES[1:5])
 def test_attention_grads(shape, causal, dtype, target, rng):
     target.require("attention", "attention_backward")
     B, Hq, Hkv, Lq, Lk, D = shape
     q, k, v = make(rng, (B, Hq, Lq, D), dtype), make(rng, (B, Hkv, Lk, D), dtype), make(rng, (B, Hkv, Lk, D), dtype)
     do = make(rng, (B, Hq, Lq, D), dtype)
-    out, lse = to.attention(q, k, v, causal=causal, return_lse=True)
-    dq, dk, dv = to.attention_backward(do, q, k, v, out, lse, causal=causal)
+    al = alignment(causal)
+    out, lse = to.attention(q, k, v, causal=bool(causal), return_lse=True, causal_alignment=al)
+    dq, dk, dv = to.attention_backward(do, q, k, v, out, lse, causal=bool(causal), causal_alignment=al)
     tq, tk, tv = t64(q), t64(k), t64(v)
     g = Hq // Hkv
     s = tq @ tk.repeat_interleave(g, 1).transpose(-1, -2) / math.sqrt(D)
     if causal:
-        mask = torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)
+        mask = torch.ones(Lq, Lk, dtype=torch.bool).tril(0 if causal == "top_left" else Lk - Lq)
         s = s.masked_fill(~mask, float("-inf"))
     p = torch.nan_to_num(torch.softmax(s, -1))
     (p @ tv.repeat_interleave(g, 1)).backward(torch.tensor(to64(do)))

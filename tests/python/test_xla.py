@@ -17,7 +17,7 @@ import tensor_ops  # noqa: E402
 from tensor_ops import _xla_route, xla  # noqa: E402
 from conftest import DTYPES, assert_close, np_dtype, ref_gelu, ref_rms_norm, ref_silu, to64, torch  # noqa: E402
 from test_ops_llm import (  # noqa: E402  (one set of references for native and shim)
-    ATTN_SHAPES, make, ref_attention, ref_cross_entropy, ref_layer_norm, ref_rope, ref_softmax, rope_tables)
+    ATTN_SHAPES, alignment, make, ref_attention, ref_cross_entropy, ref_layer_norm, ref_rope, ref_softmax, rope_tables)
 
 HIDDEN = [1, 7, 4095, 8193]
 
@@ -154,17 +154,18 @@ def test_rope_bad_positions():
     assert np.isnan(np.asarray(y)[0, 1]).all() and np.isfinite(np.asarray(y)[0, 0]).all()
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [False, True, "top_left"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
 def test_attention(shape, causal, dtype, rng):
     B, Hq, Hkv, Lq, Lk, D = shape
     q, k, v = make(rng, (B, Hq, Lq, D), dtype), make(rng, (B, Hkv, Lk, D), dtype), make(rng, (B, Hkv, Lk, D), dtype)
-    out, lse = xla.attention(jx(q), jx(k), jx(v), causal=causal, return_lse=True)
+    al = alignment(causal)
+    out, lse = xla.attention(jx(q), jx(k), jx(v), causal=bool(causal), return_lse=True, causal_alignment=al)
     check(out, ref_attention(q, k, v, causal, 1 / math.sqrt(D)), dtype, "attention", q)
     assert lse.dtype == jnp.float32 and lse.shape == (B, Hq, Lq)
-    check(xla.attention(jx(q), jx(k), jx(v), causal, scale=0.3), ref_attention(q, k, v, causal, 0.3), dtype,
-          "scale", q)
+    check(xla.attention(jx(q), jx(k), jx(v), bool(causal), scale=0.3, causal_alignment=al),
+          ref_attention(q, k, v, causal, 0.3), dtype, "scale", q)
 
 
 def test_attention_lse_and_masked_rows():
@@ -244,15 +245,17 @@ def test_backward_ops_match_native(dtype, rng):
                                                                -1, 0), dtype, f"softmax dim0 log={log}")
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [False, True, "top_left"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_backward_matches_native(causal, dtype, rng):
-    B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 7, 9, 16
+@pytest.mark.parametrize("Lq", [7, 12])
+def test_attention_backward_matches_native(Lq, causal, dtype, rng):
+    B, Hq, Hkv, Lk, D = 2, 4, 2, 9, 16
     q, k, v = make(rng, (B, Hq, Lq, D), dtype), make(rng, (B, Hkv, Lk, D), dtype), make(rng, (B, Hkv, Lk, D), dtype)
     do = make(rng, (B, Hq, Lq, D), dtype)
-    out, lse = tensor_ops.attention(q, k, v, causal=causal, return_lse=True)
-    native = tensor_ops.attention_backward(do, q, k, v, out, lse, causal=causal)
-    got = xla.attention_backward(jx(do), jx(q), jx(k), jx(v), causal=causal)
+    kw = {"causal": bool(causal), "causal_alignment": alignment(causal)}
+    out, lse = tensor_ops.attention(q, k, v, return_lse=True, **kw)
+    native = tensor_ops.attention_backward(do, q, k, v, out, lse, **kw)
+    got = xla.attention_backward(jx(do), jx(q), jx(k), jx(v), **kw)
     # The native backward reads the rounded out (flash style); the shim
     # recomputes it: in 16-bit they differ by that rounding.
     for g, n, what in zip(got, native, ["dq", "dk", "dv"]):
@@ -464,8 +467,9 @@ def test_torch_path_math_on_cpu(dtype, rng):
         assert_close(tx.rope(t(xr), t(cos), t(sin), torch.from_numpy(pos), inter, False),
                      ref_rope(xr, cos, sin, pos, inter), dtype, f"rope {inter}")
     q, k, v = make(rng, (1, 4, 6, 8), dtype), make(rng, (1, 2, 3, 8), dtype), make(rng, (1, 2, 3, 8), dtype)
-    out, lse = tx.attention(t(q), t(k), t(v), True, None)
-    assert_close(out, ref_attention(q, k, v, True, 1 / math.sqrt(8)), dtype, "attention")
+    for mode, causal in ((1, True), (2, "top_left")):
+        out, lse = tx.attention(t(q), t(k), t(v), mode, None)
+        assert_close(out, ref_attention(q, k, v, causal, 1 / math.sqrt(8)), dtype, f"attention {causal}")
     tgt = np.array([1, -100, 0])
     loss_rows, _, n = ref_cross_entropy(x[:, :7], tgt)
     got = float(tx.cross_entropy(t(x[:, :7]), torch.from_numpy(tgt), -100, "mean"))

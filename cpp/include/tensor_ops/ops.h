@@ -39,9 +39,14 @@ void layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight
 // add_rms_norm: in x, residual, weight -> y = rms_norm(x + residual), residual_out = x + residual.
 void add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& out,
                   const Tensor& residual_out, double eps);
+// The causal mask of softmax and attention (their ints[0]): query i of Lq sees key j of Lk when
+// j <= i + Lk - Lq (bottom-right aligned: the last query sees every key; a query with no visible key
+// gives a zero row, lse -inf) or j <= i (top-left: torch SDPA's is_causal; every query sees key 0).
+// 0 and 1 kept their meaning when top-left was added.
+constexpr int kCausalNone = 0, kCausalBottomRight = 1, kCausalTopLeft = 2;
 // softmax: in x -> y = softmax(scale * x) (log_softmax when ints[1]); scalars[0] scale;
-// ints[0] causal: [.., i, j] masked when j > i + cols - rows of the last two dims.
-void softmax(const Tensor& x, const Tensor& out, double scale, bool causal, bool log);
+// ints[0] causal mode over the last two dims (rows = queries, cols = keys).
+void softmax(const Tensor& x, const Tensor& out, double scale, int causal, bool log);
 // softmax_backward: in dy, y -> dx; scalars[0] scale; ints[1] log.
 void softmax_backward(const Tensor& dy, const Tensor& y, const Tensor& dx, double scale, bool log);
 // activation_backward: in dy, x -> dx; ints[0] activation.
@@ -56,12 +61,12 @@ void glu_backward(const Tensor& dy, const Tensor& gate, const Tensor& up, const 
 void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions, const Tensor& out,
           bool interleaved, bool inverse);
 // attention: in q [B, Hq, Lq, D], k, v [B, Hkv, Lk, D] -> out [B, Hq, Lq, D], lse float32 [B, Hq, Lq];
-// scalars[0] scale; ints[0] causal (bottom-right aligned).
+// scalars[0] scale; ints[0] causal mode (kCausal*).
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-               bool causal, double scale);
-// attention_backward: in dout, q, k, v, out, lse -> dq, dk, dv; scale, causal.
+               int causal, double scale);
+// attention_backward: in dout, q, k, v, out, lse -> dq, dk, dv; scale, causal mode.
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, bool causal,
+                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, int causal,
                         double scale);
 // cross_entropy: in logits [N, C], target int32/int64 [N] -> loss float32 [N], dlogits? [N, C]
 // (= grad_scale * (softmax - onehot), 0 on ignored rows); ints[0] ignore_index; ints[1] has_grad;

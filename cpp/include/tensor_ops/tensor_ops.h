@@ -144,7 +144,8 @@ TENSOR_OPS_API to_status to_layer_norm_backward(to_tensor_h dy, to_tensor_h x, t
 /* out = rms_norm(x + residual) * weight, residual_out = x + residual. */
 TENSOR_OPS_API to_status to_add_rms_norm(to_tensor_h x, to_tensor_h residual, to_tensor_h weight, to_tensor_h out,
                                          to_tensor_h residual_out, double eps);
-/* softmax(scale * x) over the last dim; causal masks [.., i, j] for j > i + cols - rows. */
+/* softmax(scale * x) over the last dim. causal: 0 none; 1 bottom-right (masks [.., i, j] for
+ * j > i + cols - rows); 2 top-left (masks j > i, torch SDPA's is_causal); other values are an error. */
 TENSOR_OPS_API to_status to_softmax(to_tensor_h x, to_tensor_h out, double scale, int32_t causal);
 TENSOR_OPS_API to_status to_log_softmax(to_tensor_h x, to_tensor_h out, double scale, int32_t causal);
 TENSOR_OPS_API to_status to_softmax_backward(to_tensor_h dy, to_tensor_h y, to_tensor_h dx, double scale,
@@ -158,7 +159,8 @@ TENSOR_OPS_API to_status to_glu_backward(to_tensor_h dy, to_tensor_h gate, to_te
 /* x [B, S, H, D], cos / sin [P, R/2], positions int32/int64 [B or 1, S]. */
 TENSOR_OPS_API to_status to_rope(to_tensor_h x, to_tensor_h cos, to_tensor_h sin, to_tensor_h positions,
                                  to_tensor_h out, int32_t interleaved, int32_t inverse);
-/* q [B, Hq, Lq, D], k / v [B, Hkv, Lk, D] -> out like q, lse float32 [B, Hq, Lq]. */
+/* q [B, Hq, Lq, D], k / v [B, Hkv, Lk, D] -> out like q, lse float32 [B, Hq, Lq]. causal as softmax's
+ * (0 none, 1 bottom-right, 2 top-left); a query that sees no key gets a zero row and lse -inf. */
 TENSOR_OPS_API to_status to_attention(to_tensor_h q, to_tensor_h k, to_tensor_h v, to_tensor_h out, to_tensor_h lse,
                                       int32_t causal, double scale);
 TENSOR_OPS_API to_status to_attention_backward(to_tensor_h dout, to_tensor_h q, to_tensor_h k, to_tensor_h v,

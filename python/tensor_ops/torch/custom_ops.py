@@ -136,8 +136,10 @@ def rope_backward(dy: Tensor, cos: Tensor, sin: Tensor, positions: Optional[Tens
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       causal: bool = False, scale: Optional[float] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    return _to.attention_backward(_c(dout), _c(q), _c(k), _c(v), _c(out), _c(lse), causal, scale)
+                       causal: bool = False, scale: Optional[float] = None,
+                       causal_alignment: str = "bottom_right") -> Tuple[Tensor, Tensor, Tensor]:
+    return _to.attention_backward(_c(dout), _c(q), _c(k), _c(v), _c(out), _c(lse), causal, scale,
+                                  causal_alignment=causal_alignment)
 
 
 _register(rms_norm_backward, lambda dy, x, weight, eps=1e-6: (_like(x), _like(weight)))
@@ -150,7 +152,8 @@ _register(softmax_backward, lambda dy, y, dim=-1, scale=1.0: _softmax_like(y, di
 _register(log_softmax_backward, lambda dy, y, dim=-1, scale=1.0: _softmax_like(y, dim))
 _register(rope_backward, lambda dy, cos, sin, positions=None, interleaved=False: _like(dy))
 _register(attention_backward,
-          lambda dout, q, k, v, out, lse, causal=False, scale=None: (_like(q), _like(k), _like(v)))
+          lambda dout, q, k, v, out, lse, causal=False, scale=None, causal_alignment="bottom_right":
+          (_like(q), _like(k), _like(v)))
 
 
 # ---- forward ops, each with its setup_context and backward
@@ -315,28 +318,30 @@ def _rope_bwd(ctx, dy, k):
 _register(rope, lambda x, cos, sin, positions=None, interleaved=False: _like(x), _rope_setup, _rope_bwd)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
-              scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None,
+              causal_alignment: str = "bottom_right") -> Tuple[Tensor, Tensor]:
     """(softmax(scale * q k^T) v, float32 log-sum-exp [batch, heads, seq]),
-    layout [batch, heads, seq, head_dim], grouped-query k/v allowed."""
-    return _to.attention(_c(q), _c(k), _c(v), causal, scale, return_lse=True)
+    layout [batch, heads, seq, head_dim], grouped-query k/v allowed;
+    causal_alignment "bottom_right" or "top_left" (tensor_ops.attention's)."""
+    return _to.attention(_c(q), _c(k), _c(v), causal, scale, return_lse=True, causal_alignment=causal_alignment)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, alignment = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.alignment = causal, scale, alignment
     ctx.mark_non_differentiable(lse)
 
 
 def _attention_bwd(ctx, dout, dlse, k):
     q, k_, v, out, lse = ctx.saved_tensors
-    return (*k.attention_backward(dout, q, k_, v, out, lse, ctx.causal, ctx.scale), None, None)
+    return (*k.attention_backward(dout, q, k_, v, out, lse, ctx.causal, ctx.scale, ctx.alignment), None, None, None)
 
 
 _register(attention,
-          lambda q, k, v, causal=False, scale=None: (_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)),
+          lambda q, k, v, causal=False, scale=None, causal_alignment="bottom_right":
+          (_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)),
           _attention_setup, _attention_bwd)
 
 

@@ -2,12 +2,19 @@
 scaled_dot_product_attention on our attention kernels, masks honoured.
 
 Two paths. No mask and no dropout: our flash attention op (online softmax,
-the score matrix never materialised, causal bottom-right aligned). A mask
-(bool, True = attend, as in torch's SDPA; or additive floats) or dropout in
-training: scores = scale * q k^T by torch's matmul, plus the mask, then our
-softmax op (causal applied by the same kernel), dropout, then @ v by torch's
-matmul: the score matrix is materialised, [batch, heads, Lq, Lk]. Both paths
-are differentiable (our backward kernels + torch's matmul backward)."""
+the score matrix never materialised). A mask (bool, True = attend, as in
+torch's SDPA; or additive floats) or dropout in training: scores = scale *
+q k^T by torch's matmul in float32 (fp16 / bf16 inputs too: unscaled half
+scores lose digits), plus the mask and the causal mask, then our softmax op,
+dropout, then @ v by torch's matmul: the score matrix is materialised,
+[batch, heads, Lq, Lk]. Both paths are differentiable (our backward kernels +
+torch's matmul backward).
+
+Note [fully masked rows]: as torch's SDPA (2.13, every backend on CPU), a
+query row whose every score is -inf (bool masks, the causal mask) gives a
+zero output and zero gradients, never NaN; an additive mask of finfo.min is
+a finite score, so such a row averages v as in SDPA (float32 scores: for a
+float16 mask, -65504 + scores still orders the keys, as SDPA's)."""
 from __future__ import annotations
 
 import math
@@ -18,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import functional as ops
+from ..ops import causal_mode
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -28,33 +36,42 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def scaled_dot_product_attention(q, k, v, attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None, *,
-                                 training: bool = True) -> torch.Tensor:
+                                 training: bool = True, causal_alignment: str = "top_left") -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention's contract on
     [batch, heads, seq, head_dim] (kv heads may divide q heads): attn_mask
     bool (True attends) or additive, broadcastable to [batch, heads, Lq, Lk];
-    is_causal bottom-right aligned (SDPA's when Lq == Lk); dropout_p applied
-    when `training`. A row that attends to nothing gives zeros, as SDPA's
-    (its gradient is not defined)."""
+    is_causal top-left aligned as SDPA's (query i sees keys j <= i);
+    causal_alignment="bottom_right" aligns it to the last key instead (j <= i
+    + Lk - Lq: a query with no key gives zeros). is_causal may be combined
+    with attn_mask (both apply). dropout_p applied when `training`. A row
+    that attends to nothing gives zeros and zero gradients (see Note [fully
+    masked rows])."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    mode = causal_mode(is_causal, causal_alignment)
     dropout = dropout_p if training else 0.0
     if attn_mask is None and dropout == 0.0:
-        return ops.attention(q, k, v, is_causal, scale)
+        return ops.attention(q, k, v, is_causal, scale, causal_alignment=causal_alignment)
     s = (1.0 / math.sqrt(q.shape[-1])) if scale is None else float(scale)
     hq, hkv = q.shape[1], k.shape[1]
     if hq != hkv:
         if hq % hkv:
             raise ValueError(f"kv heads ({hkv}) must divide q heads ({hq})")
         k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-    scores = torch.matmul(q, k.transpose(-1, -2))
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * s
     if attn_mask is not None:
-        scores = scores + _additive(attn_mask, scores.dtype) * (1.0 / s)  # our softmax multiplies all by s
-    probs = ops.softmax(scores, -1, s, is_causal)
-    if attn_mask is not None:  # a row with every key masked is NaN here; SDPA gives zeros
-        probs = probs.nan_to_num_(0.0) if not probs.requires_grad else probs.nan_to_num(0.0)
+        scores = scores + _additive(attn_mask, acc)
+    if mode:
+        lq, lk = scores.shape[-2:]
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril(0 if mode == 2 else lk - lq)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    empty = torch.isneginf(scores).all(-1, keepdim=True)
+    scores = scores.masked_fill(empty, 0.0)  # finite rows: a finite softmax and backward; zeroed below
+    probs = ops.softmax(scores, -1).masked_fill(empty, 0.0)
     if dropout:
         probs = F.dropout(probs, dropout, True)
-    return torch.matmul(probs, v)
+    return torch.matmul(probs, v.to(acc)).to(q.dtype)
 
 
 class FlashAttention(nn.Module):
@@ -63,17 +80,21 @@ class FlashAttention(nn.Module):
     key_value=None) with x [batch, seq, embed_dim]. attention_mask: [batch,
     Lk] (a key-padding mask, HF style: 1 / True = attend), or bool / additive
     broadcastable to [batch, heads, Lq, Lk]. dropout on the attention
-    probabilities in training mode only; causal bottom-right aligned."""
+    probabilities in training mode only; causal_alignment "bottom_right"
+    (the default: query i sees keys j <= i + Lk - Lq) or "top_left"
+    (SDPA's), the same when Lq == Lk (self-attention). Padding rows that
+    attend to nothing give zeros and zero gradients."""
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, causal: bool = False,
-                 bias: bool = True, device=None, dtype=None):
+                 bias: bool = True, device=None, dtype=None, causal_alignment: str = "bottom_right"):
         super().__init__()
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
-        self.dropout, self.causal = float(dropout), bool(causal)
+        causal_mode(causal, causal_alignment)  # validates the alignment
+        self.dropout, self.causal, self.causal_alignment = float(dropout), bool(causal), causal_alignment
         kw = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
@@ -96,7 +117,8 @@ class FlashAttention(nn.Module):
             mask = mask[:, None, None, :]
             if mask.dtype != torch.bool and not mask.is_floating_point():
                 mask = mask != 0
-        out = scaled_dot_product_attention(q, k, v, mask, self.dropout, self.causal, training=self.training)
+        out = scaled_dot_product_attention(q, k, v, mask, self.dropout, self.causal, training=self.training,
+                                           causal_alignment=self.causal_alignment)
         b, _, n, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, n, self.embed_dim))
 

@@ -76,11 +76,14 @@ def rope(x, cos, sin, positions=None, interleaved: bool = False):
     return _run("rope", x, cos, sin, positions, interleaved)
 
 
-def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, *, return_lse: bool = False):
+def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, *, return_lse: bool = False,
+              causal_alignment: str = "bottom_right"):
     """softmax(scale * q k^T) v on [batch, heads, seq, head_dim] (grouped-query
-    k/v allowed, causal bottom-right aligned); with return_lse also the
-    float32 log-sum-exp [batch, heads, seq] (no gradient)."""
-    out, lse = _run("attention", q, k, v, causal, scale)
+    k/v allowed); causal_alignment "bottom_right" (query i sees keys j <= i +
+    Lk - Lq; a query that sees none gives a zero row with zero gradients) or
+    "top_left" (j <= i, SDPA's is_causal); with return_lse also the float32
+    log-sum-exp [batch, heads, seq] (no gradient)."""
+    out, lse = _run("attention", q, k, v, causal, scale, causal_alignment)
     return (out, lse) if return_lse else out
 
 
@@ -135,5 +138,6 @@ def rope_backward(dy, cos, sin, positions=None, interleaved: bool = False):
     return _run("rope_backward", dy, cos, sin, positions, interleaved)
 
 
-def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None):
-    return _run("attention_backward", dout, q, k, v, out, lse, causal, scale)
+def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: Optional[float] = None, *,
+                       causal_alignment: str = "bottom_right"):
+    return _run("attention_backward", dout, q, k, v, out, lse, causal, scale, causal_alignment)
