@@ -238,3 +238,13 @@ def test_bad_arguments():
         tensor_ops.fused_linear_cross_entropy(h, w, t)
     with pytest.raises(tensor_ops.InvalidArgumentError, match="no classes"):
         tensor_ops.fused_linear_cross_entropy(h.numpy(), np.zeros((0, 8), np.float32), t.numpy())
+
+
+def test_second_backward_refused(rng):
+    # the forward's gradients are scaled in place by the first backward
+    hidden, weight, target, _ = _data(rng, n=8)
+    h = torch.tensor(hidden, requires_grad=True)
+    loss = tt.fused_linear_cross_entropy(h, torch.tensor(weight), torch.as_tensor(target))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()

@@ -64,10 +64,12 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
     loss, scale = _lce.reduce(losses, target, ignore_index, reduction)
     if not with_grad:
         return loss, hidden.new_empty((0,)), hidden.new_empty((0,)), _no_bias_grad(hidden)
-    # Scaled once at the end (the mean's 1 / n_valid); fp32 accumulators back to the inputs' dtype.
-    gh.mul_(scale)
-    gw = gw.mul_(scale).to(weight.dtype)
-    gb = _no_bias_grad(hidden) if gb is None else gb.mul_(scale).to(weight.dtype)
+    if scale != 1.0:  # the mean's 1 / n_valid, once at the end
+        gh.mul_(scale), gw.mul_(scale)
+        if gb is not None:
+            gb.mul_(scale)
+    gw = gw.to(weight.dtype)  # fp32 accumulators back to the inputs' dtype
+    gb = _no_bias_grad(hidden) if gb is None else gb.to(weight.dtype)
     return loss, gh, gw, gb
 
 
@@ -101,7 +103,7 @@ def _setup(ctx, inputs, output):
     hidden, weight, target, bias, ignore_index, reduction, chunk_size, with_grad = inputs
     _, gh, gw, gb = output
     ctx.mark_non_differentiable(gh, gw, gb)
-    ctx.has_bias, ctx.reduction = bias is not None, reduction
+    ctx.has_bias, ctx.reduction, ctx.scaled = bias is not None, reduction, False
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, target, bias)
         ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
@@ -114,9 +116,15 @@ def _backward(ctx, dloss, *_):
         hidden, weight, target, bias = ctx.saved_tensors
         gh, gw, gb = _backward_rows(dloss, hidden, weight, target, bias, ctx.ignore_index, ctx.chunk_size)
     else:
+        # Scaled in place, as Liger does: a [V, H] copy would add a weight's
+        # size to the peak. So the graph's gradients serve one backward only.
+        if ctx.scaled:
+            raise RuntimeError("fused_linear_cross_entropy: a second backward through the same graph "
+                               "(retain_graph=True) is not supported: the first scaled the saved gradients in place")
+        ctx.scaled = True
         gh, gw, gb = ctx.saved_tensors
         g = dloss.to(gh.dtype)
-        gh, gw, gb = gh * g, gw * g, gb * g
+        gh, gw, gb = gh.mul_(g), gw.mul_(g), gb.mul_(g)
     return gh, gw, None, (gb if ctx.has_bias else None), None, None, None, None
 
 
