@@ -103,6 +103,7 @@ def _setup(ctx, inputs, output):
     hidden, weight, target, bias, ignore_index, reduction, chunk_size, with_grad = inputs
     _, gh, gw, gb = output
     ctx.mark_non_differentiable(gh, gw, gb)
+    ctx.set_materialize_grads(False)  # else autograd fills zeros of gh, gw and gb for the backward to ignore
     ctx.has_bias, ctx.reduction, ctx.scaled = bias is not None, reduction, False
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, target, bias)
