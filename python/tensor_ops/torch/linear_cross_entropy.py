@@ -12,6 +12,10 @@ pass) and saves them; the backward scales them by grad_output. With "none"
 the gradient of each row's loss depends on grad_output per row, which the
 forward cannot know: the forward computes the losses alone and the backward
 runs the loop again (one logits GEMM more) with the rows' dlogits scaled.
+
+Options of the cross-entropy beyond ignore_index (as cross_entropy_with_grad
+gains them: label smoothing, z-loss, softcapping) reach the loop through
+chunked's **options; the op takes each as one more schema argument.
 """
 from __future__ import annotations
 
@@ -49,7 +53,8 @@ TORCH = types.SimpleNamespace(
 )
 
 
-def _no_bias_grad(hidden):
+def _absent(hidden):
+    """The placeholder output of a gradient not computed (custom ops return no None)."""
     return hidden.new_empty((0,))
 
 
@@ -63,13 +68,13 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
     losses, gh, gw, gb = _lce.chunked(TORCH, hidden, weight, target, bias, ignore_index, chunk_size, with_grad)
     loss, scale = _lce.reduce(losses, target, ignore_index, reduction)
     if not with_grad:
-        return loss, hidden.new_empty((0,)), hidden.new_empty((0,)), _no_bias_grad(hidden)
+        return loss, _absent(hidden), _absent(hidden), _absent(hidden)
     if scale != 1.0:  # the mean's 1 / n_valid, once at the end
         gh.mul_(scale), gw.mul_(scale)
         if gb is not None:
             gb.mul_(scale)
     gw = gw.to(weight.dtype)  # fp32 accumulators back to the inputs' dtype
-    gb = _no_bias_grad(hidden) if gb is None else gb.to(weight.dtype)
+    gb = _absent(hidden) if gb is None else gb.to(weight.dtype)
     return loss, gh, gw, gb
 
 
@@ -77,8 +82,8 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
 def _(hidden, weight, target, bias, ignore_index, reduction, chunk_size, with_grad):
     loss = hidden.new_empty(hidden.shape[:1] if reduction == "none" else (), dtype=torch.float32)
     if not with_grad:
-        return loss, hidden.new_empty((0,)), hidden.new_empty((0,)), hidden.new_empty((0,))
-    gb = hidden.new_empty((0,)) if bias is None else bias.new_empty(bias.shape)
+        return loss, _absent(hidden), _absent(hidden), _absent(hidden)
+    gb = _absent(hidden) if bias is None else bias.new_empty(bias.shape)
     return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), gb
 
 
@@ -90,12 +95,12 @@ def _backward_rows(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor
     hidden, weight, target = hidden.contiguous(), weight.contiguous(), target.contiguous()
     _, gh, gw, gb = _lce.chunked(TORCH, hidden, weight, target, bias, ignore_index, chunk_size, True,
                                  dloss_rows=dloss.contiguous())
-    return gh, gw.to(weight.dtype), _no_bias_grad(hidden) if gb is None else gb.to(weight.dtype)
+    return gh, gw.to(weight.dtype), _absent(hidden) if gb is None else gb.to(weight.dtype)
 
 
 @_backward_rows.register_fake
 def _(dloss, hidden, weight, target, bias, ignore_index, chunk_size):
-    gb = hidden.new_empty((0,)) if bias is None else bias.new_empty(bias.shape)
+    gb = _absent(hidden) if bias is None else bias.new_empty(bias.shape)
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), gb
 
 
