@@ -45,6 +45,7 @@ from .errors import ArgumentTypeError, CUDANotAvailableError, KernelLaunchError,
 from .pools import allocate_tensor, clear_pool, get_memory_stats, pool_stats, return_to_pool, set_pool_limits
 from .hardware import HardwareDetector, HardwareProfile, HardwareType, backend_info, detect_hardware
 from .config import TensorOpsConfig, configure, get_config
+from .linear_cross_entropy import fused_linear_cross_entropy
 
 __version__ = "0.1.0"
 
@@ -169,6 +170,7 @@ __all__ = _ops_all + [
     "TensorOpsConfig",
     "configure",
     "get_config",
+    "fused_linear_cross_entropy",
 ]
 
 # Malformed TENSOR_OPS_* variables (TENSOR_OPS_NUM_THREADS=4abc, ...) are

@@ -15,6 +15,7 @@ from .prepare import (
     OptimizationLevel, OptimizationResult, ValidationResult, prepare_model, validate_model,
 )
 from .flash_attention import FlashAttention, FlashAttention3, scaled_dot_product_attention
+from .linear_cross_entropy import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from .fused_linear import FusedLinearGELU, FusedLinearSiLU, linear_activation, prepare_model_with_custom_kernels
 from tensor_ops import BackendUnavailableError, DeviceInfo
 
@@ -29,4 +30,5 @@ __all__ = [
     "OptimizationLevel", "OptimizationResult", "ValidationResult", "prepare_model", "validate_model",
     "FlashAttention", "FlashAttention3", "scaled_dot_product_attention",
     "FusedLinearGELU", "FusedLinearSiLU", "linear_activation", "prepare_model_with_custom_kernels",
+    "FusedLinearCrossEntropyLoss", "fused_linear_cross_entropy",
 ]

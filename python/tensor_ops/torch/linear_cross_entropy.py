@@ -1,0 +1,175 @@
+"""Fused linear cross-entropy for torch: torch.ops.tensor_ops.fused_linear_cross_entropy
+(a custom op with a fake kernel, so torch.compile(fullgraph=True) traces it,
+and autograd), the function fused_linear_cross_entropy and the module
+FusedLinearCrossEntropyLoss (Liger's LigerFusedLinearCrossEntropyLoss
+conventions). The algorithm is Note [chunked linear cross-entropy] in
+tensor_ops.linear_cross_entropy, with torch's GEMMs (MKL / oneDNN on the CPU,
+cuBLAS on GPUs) writing into preallocated chunks.
+
+With reduction "mean" or "sum" the forward computes the gradients (the loop
+needs the logits' gradient while the chunk is in its buffer, so they cost one
+pass) and saves them; the backward scales them by grad_output. With "none"
+the gradient of each row's loss depends on grad_output per row, which the
+forward cannot know: the forward computes the losses alone and the backward
+runs the loop again (one logits GEMM more) with the rows' dlogits scaled.
+
+Options of the cross-entropy beyond ignore_index (as cross_entropy_with_grad
+gains them: label smoothing, z-loss, softcapping) reach the loop through
+chunked's **options; the op takes each as one more schema argument.
+"""
+from __future__ import annotations
+
+import types
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from tensor_ops import linear_cross_entropy as _lce
+
+Tensor = torch.Tensor
+
+
+def _linear(h_c, weight, bias, out):
+    if bias is None:
+        torch.mm(h_c, weight.t(), out=out)
+    else:
+        torch.addmm(bias, h_c, weight.t(), out=out)
+
+
+def _addmm_(acc, a, b):
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+TORCH = types.SimpleNamespace(
+    float32=torch.float32,
+    acc_dtype=lambda dt: torch.float32 if dt in (torch.float16, torch.bfloat16) else dt,
+    cast=lambda x, dtype: x.to(dtype),
+    empty=lambda shape, dtype, like: torch.empty(shape, dtype=dtype, device=like.device),
+    zeros=lambda shape, dtype, like: torch.zeros(shape, dtype=dtype, device=like.device),
+    linear=_linear,
+    mm=lambda a, b, out: torch.mm(a, b, out=out),
+    addmm_=_addmm_,
+)
+
+
+def _absent(hidden):
+    """The placeholder output of a gradient not computed (custom ops return no None)."""
+    return hidden.new_empty((0,))
+
+
+@torch.library.custom_op("tensor_ops::fused_linear_cross_entropy", mutates_args=())
+def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
+             reduction: str, chunk_size: int, with_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(float32 loss, grad_hidden, grad_weight, grad_bias) of the reduced loss;
+    without with_grad the gradients are empty, and grad_bias is empty without
+    a bias."""
+    hidden, weight, target = hidden.contiguous(), weight.contiguous(), target.contiguous()
+    losses, gh, gw, gb = _lce.chunked(TORCH, hidden, weight, target, bias, ignore_index, chunk_size, with_grad)
+    loss, scale = _lce.reduce(losses, target, ignore_index, reduction)
+    if not with_grad:
+        return loss, _absent(hidden), _absent(hidden), _absent(hidden)
+    if scale != 1.0:  # the mean's 1 / n_valid, once at the end
+        gh.mul_(scale), gw.mul_(scale)
+        if gb is not None:
+            gb.mul_(scale)
+    gw = gw.to(weight.dtype)  # fp32 accumulators back to the inputs' dtype
+    gb = _absent(hidden) if gb is None else gb.to(weight.dtype)
+    return loss, gh, gw, gb
+
+
+@_forward.register_fake
+def _(hidden, weight, target, bias, ignore_index, reduction, chunk_size, with_grad):
+    loss = hidden.new_empty(hidden.shape[:1] if reduction == "none" else (), dtype=torch.float32)
+    if not with_grad:
+        return loss, _absent(hidden), _absent(hidden), _absent(hidden)
+    gb = _absent(hidden) if bias is None else bias.new_empty(bias.shape)
+    return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), gb
+
+
+@torch.library.custom_op("tensor_ops::fused_linear_cross_entropy_backward", mutates_args=())
+def _backward_rows(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+                   ignore_index: int, chunk_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden, grad_weight, grad_bias) of sum(loss rows * dloss) for
+    reduction "none": the loop again, each row's dlogits scaled by its dloss."""
+    hidden, weight, target = hidden.contiguous(), weight.contiguous(), target.contiguous()
+    _, gh, gw, gb = _lce.chunked(TORCH, hidden, weight, target, bias, ignore_index, chunk_size, True,
+                                 dloss_rows=dloss.contiguous())
+    return gh, gw.to(weight.dtype), _absent(hidden) if gb is None else gb.to(weight.dtype)
+
+
+@_backward_rows.register_fake
+def _(dloss, hidden, weight, target, bias, ignore_index, chunk_size):
+    gb = _absent(hidden) if bias is None else bias.new_empty(bias.shape)
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), gb
+
+
+def _setup(ctx, inputs, output):
+    hidden, weight, target, bias, ignore_index, reduction, chunk_size, with_grad = inputs
+    _, gh, gw, gb = output
+    ctx.mark_non_differentiable(gh, gw, gb)
+    ctx.set_materialize_grads(False)  # else autograd fills zeros of gh, gw and gb for the backward to ignore
+    ctx.has_bias, ctx.reduction, ctx.scaled = bias is not None, reduction, False
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, target, bias)
+        ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
+    else:
+        ctx.save_for_backward(gh, gw, gb)
+
+
+def _backward(ctx, dloss, *_):
+    if ctx.reduction == "none":
+        hidden, weight, target, bias = ctx.saved_tensors
+        gh, gw, gb = _backward_rows(dloss, hidden, weight, target, bias, ctx.ignore_index, ctx.chunk_size)
+    else:
+        # Scaled in place, as Liger does: a [V, H] copy would add a weight's
+        # size to the peak. So the graph's gradients serve one backward only.
+        if ctx.scaled:
+            raise RuntimeError("fused_linear_cross_entropy: a second backward through the same graph "
+                               "(retain_graph=True) is not supported: the first scaled the saved gradients in place")
+        ctx.scaled = True
+        gh, gw, gb = ctx.saved_tensors
+        g = dloss.to(gh.dtype)
+        gh, gw, gb = gh.mul_(g), gw.mul_(g), gb.mul_(g)
+    return gh, gw, None, (gb if ctx.has_bias else None), None, None, None, None
+
+
+_forward.register_autograd(_backward, setup_context=_setup)
+
+
+def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
+                               ignore_index: int = -100, reduction: str = "mean",
+                               chunk_size: Optional[int] = None) -> Tensor:
+    """cross_entropy(hidden @ weight.T + bias, target) (float32), differentiable
+    with respect to hidden, weight and bias, without the [N, V] logits:
+    hidden [..., H] (leading dims flattened), weight [V, H], target [...],
+    bias [V] or None. chunk_size: rows per chunk (default
+    tensor_ops.linear_cross_entropy.default_chunk_size)."""
+    hidden2, target1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    ignore_index, reduction, chunk_size = _lce.check_args(hidden2, weight, target1, bias, ignore_index, reduction,
+                                                          chunk_size)
+    # Gradients only when something will take them; "none" computes them in the backward.
+    with_grad = reduction != "none" and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    loss = _forward(hidden2, weight, target1, bias, ignore_index, reduction, chunk_size, with_grad)[0]
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """The loss of a language-model head, Liger's LigerFusedLinearCrossEntropyLoss
+    calling convention: forward(lin_weight, _input, target, bias=None)."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", chunk_size: Optional[int] = None):
+        super().__init__()
+        ignore_index, reduction, chunk_size = _lce.check_options(ignore_index, reduction, chunk_size)
+        self.ignore_index, self.reduction, self.chunk_size = ignore_index, reduction, chunk_size
+
+    def forward(self, lin_weight: Tensor, _input: Tensor, target: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        return fused_linear_cross_entropy(_input, lin_weight, target, bias, self.ignore_index, self.reduction,
+                                          self.chunk_size)
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, chunk_size={self.chunk_size}"
+
+
+__all__ = ["FusedLinearCrossEntropyLoss", "fused_linear_cross_entropy"]

@@ -1,0 +1,251 @@
+"""fused_linear_cross_entropy (numpy and torch) against float64 torch:
+F.linear then F.cross_entropy, autograd."""
+import numpy as np
+import pytest
+
+import tensor_ops
+from tensor_ops import linear_cross_entropy as lce
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+tt = pytest.importorskip("tensor_ops.torch")
+
+
+def _data(rng, n=37, h=16, v=50, bias=True, ignored=(3, 11)):
+    hidden = rng.standard_normal((n, h)).astype(np.float32)
+    weight = (rng.standard_normal((v, h)) * 0.3).astype(np.float32)
+    b = rng.standard_normal(v).astype(np.float32) if bias else None
+    target = rng.integers(0, v, n)
+    target[[i for i in ignored if i < n]] = -100
+    return hidden, weight, target, b
+
+
+def _reference(hidden, weight, target, bias, reduction, dloss=None):
+    """float64 (loss, grad_hidden, grad_weight, grad_bias) of sum(loss * dloss)."""
+    h = torch.tensor(hidden, dtype=torch.float64, requires_grad=True)
+    w = torch.tensor(weight, dtype=torch.float64, requires_grad=True)
+    b = None if bias is None else torch.tensor(bias, dtype=torch.float64, requires_grad=True)
+    loss = F.cross_entropy(F.linear(h, w, b), torch.as_tensor(target), reduction=reduction)
+    g = torch.ones_like(loss) if dloss is None else torch.as_tensor(dloss, dtype=torch.float64)
+    if h.shape[0]:
+        (loss * g).sum().backward()
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (h, w) + (() if b is None else (b,))]
+    return [loss.detach().numpy()] + [t.numpy() for t in grads] + ([None] if b is None else [])
+
+
+def _close(got, ref, what, rtol=1e-5):
+    """Within the issue's 1e-5 (fp32): relative to the reference's largest entry."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, what
+    scale = max(np.abs(ref).max(initial=0.0), 1e-30)
+    assert np.abs(got - ref).max(initial=0.0) <= rtol * scale, f"{what}: max error {np.abs(got - ref).max()}"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk_size", [None, 1, 7])
+def test_torch_matches_float64(rng, reduction, bias, chunk_size):
+    hidden, weight, target, b = _data(rng, bias=bias)
+    ref_dloss = rng.standard_normal(len(target)) if reduction == "none" else 1.7
+    want = _reference(hidden, weight, target, b, reduction, ref_dloss)
+    h, w = torch.tensor(hidden, requires_grad=True), torch.tensor(weight, requires_grad=True)
+    bb = None if b is None else torch.tensor(b, requires_grad=True)
+    loss = tt.fused_linear_cross_entropy(h, w, torch.as_tensor(target), bb, reduction=reduction,
+                                         chunk_size=chunk_size)
+    assert loss.dtype == torch.float32
+    (loss * torch.as_tensor(ref_dloss, dtype=torch.float32)).sum().backward()
+    _close(loss.detach(), want[0], "loss")
+    _close(h.grad, want[1], "grad_hidden")
+    _close(w.grad, want[2], "grad_weight")
+    if bias:
+        _close(bb.grad, want[3], "grad_bias")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_numpy_matches_float64(rng, reduction, bias):
+    hidden, weight, target, b = _data(rng, bias=bias)
+    loss, gh, gw, gb = tensor_ops.fused_linear_cross_entropy(hidden, weight, target, b, reduction=reduction,
+                                                              chunk_size=5)
+    want = _reference(hidden, weight, target, b, reduction)  # "none": gradients of the sum, as cross_entropy_with_grad
+    _close(loss, want[0], "loss")
+    _close(gh, want[1], "grad_hidden")
+    _close(gw, want[2], "grad_weight")
+    assert gh.dtype == gw.dtype == np.float32
+    if bias:
+        _close(gb, want[3], "grad_bias")
+    else:
+        assert gb is None
+
+
+def test_numpy_weight_gradient_blocks(rng):
+    # V larger than the row block numpy's accumulation works in
+    hidden, weight, target, b = _data(rng, n=9, h=4, v=2100)
+    _, _, gw, gb = tensor_ops.fused_linear_cross_entropy(hidden, weight, target, b, chunk_size=4)
+    want = _reference(hidden, weight, target, b, "mean")
+    _close(gw, want[2], "grad_weight")
+    _close(gb, want[3], "grad_bias")
+
+
+def test_bfloat16_within_torchs_own_error(rng):
+    """bf16: our error against float64 no larger than torch's bf16
+    F.linear + F.cross_entropy's (grad_weight accumulates in fp32)."""
+    hidden, weight, target, _ = _data(rng, n=300, h=64, v=500, bias=False)
+    weight *= 0.3
+    want = _reference(hidden, weight, target, None, "mean")
+
+    def errors(fn):
+        h = torch.tensor(hidden, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.tensor(weight, dtype=torch.bfloat16, requires_grad=True)
+        loss = fn(h, w)
+        loss.backward()
+        return [np.linalg.norm(np.float64(got) - ref) / np.linalg.norm(ref)
+                for got, ref in zip([loss.detach().double(), h.grad.double(), w.grad.double()], want)]
+
+    t = torch.as_tensor(target)
+    ours = errors(lambda h, w: tt.fused_linear_cross_entropy(h, w, t, chunk_size=16))
+    theirs = errors(lambda h, w: F.cross_entropy(F.linear(h, w), t))
+    for what, o, r in zip(["loss", "grad_hidden", "grad_weight"], ours, theirs):
+        assert o <= 1.25 * r + 1e-6, f"{what}: ours {o:.3g}, torch bf16 {r:.3g}"
+
+
+@pytest.mark.parametrize("reduction, expected", [("mean", float("nan")), ("sum", 0.0)])
+def test_all_targets_ignored(rng, reduction, expected):
+    hidden, weight, target, b = _data(rng, n=6)
+    target[:] = -100
+    h, w, bb = (torch.tensor(a, requires_grad=True) for a in (hidden, weight, b))
+    loss = tt.fused_linear_cross_entropy(h, w, torch.as_tensor(target), bb, reduction=reduction, chunk_size=4)
+    ref = F.cross_entropy(F.linear(torch.tensor(hidden), torch.tensor(weight), torch.tensor(b)),
+                          torch.as_tensor(target), reduction=reduction)
+    np.testing.assert_equal(loss.item(), ref.item())
+    np.testing.assert_equal(float(expected), loss.item())
+    loss.backward()
+    for g in (h.grad, w.grad, bb.grad):
+        assert torch.count_nonzero(g) == 0
+    np_loss, gh, gw, gb = tensor_ops.fused_linear_cross_entropy(hidden, weight, target, b, reduction=reduction)
+    np.testing.assert_equal(float(expected), float(np_loss))
+    assert not gh.any() and not gw.any() and not gb.any()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch(reduction):
+    h = torch.zeros(0, 8, requires_grad=True)
+    w = torch.randn(5, 8, requires_grad=True)
+    t = torch.zeros(0, dtype=torch.int64)
+    loss = tt.fused_linear_cross_entropy(h, w, t, reduction=reduction)
+    ref = F.cross_entropy(F.linear(h, w), t, reduction=reduction)
+    assert loss.shape == ref.shape
+    np.testing.assert_equal(loss.detach().numpy(), ref.detach().numpy())
+    loss.sum().backward()
+    assert h.grad.shape == (0, 8) and torch.count_nonzero(w.grad) == 0
+    np_loss, gh, gw, _ = tensor_ops.fused_linear_cross_entropy(h.detach().numpy(), w.detach().numpy(), t.numpy(),
+                                                               reduction=reduction)
+    np.testing.assert_equal(np.asarray(np_loss), ref.detach().numpy())
+    assert gh.shape == (0, 8) and not gw.any()
+
+
+def test_no_logits_larger_than_a_chunk(rng, monkeypatch):
+    seen = []
+    real = lce.cross_entropy_with_grad
+
+    def spy(logits, *args, **kwargs):
+        seen.append(tuple(logits.shape))
+        return real(logits, *args, **kwargs)
+
+    monkeypatch.setattr(lce, "cross_entropy_with_grad", spy)
+    hidden, weight, target, b = _data(rng, n=37)
+    h = torch.tensor(hidden, requires_grad=True)
+    tt.fused_linear_cross_entropy(h, torch.tensor(weight), torch.as_tensor(target), chunk_size=8).backward()
+    assert seen == [(8, 50)] * 4 + [(5, 50)]
+
+
+def test_no_gradient_work_without_grad(rng, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("gradients computed for a loss nobody differentiates")
+
+    monkeypatch.setattr(lce, "cross_entropy_with_grad", refuse)
+    hidden, weight, target, b = _data(rng)
+    args = [torch.tensor(hidden), torch.tensor(weight), torch.as_tensor(target), torch.tensor(b)]
+    want = _reference(hidden, weight, target, b, "mean")[0]
+    _close(tt.fused_linear_cross_entropy(*args), want, "loss")
+    args[0].requires_grad_()
+    with torch.no_grad():
+        _close(tt.fused_linear_cross_entropy(*args), want, "loss")
+
+
+def test_module_liger_conventions(rng):
+    hidden, weight, target, b = _data(rng, n=24)
+    module = tt.FusedLinearCrossEntropyLoss(ignore_index=-100, reduction="sum", chunk_size=5)
+    assert "reduction='sum'" in repr(module)
+    h = torch.tensor(hidden, requires_grad=True)
+    loss = module(torch.tensor(weight), h.view(4, 6, 16), torch.as_tensor(target).view(4, 6), torch.tensor(b))
+    loss.backward()
+    want = _reference(hidden, weight, target, b, "sum")
+    _close(loss.detach(), want[0], "loss")
+    _close(h.grad, want[1], "grad_hidden")
+
+
+def test_torch_compile_fullgraph(rng):
+    torch._dynamo.reset()
+    hidden, weight, target, _ = _data(rng, n=26)
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 50)
+            self.loss = tt.FusedLinearCrossEntropyLoss(chunk_size=8)
+
+        def forward(self, x, t):
+            return self.loss(self.proj.weight, torch.tanh(x), t, self.proj.bias)
+
+    torch.manual_seed(0)
+    model = Head()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x, t = torch.tensor(hidden).view(2, 13, 16).requires_grad_(), torch.as_tensor(target).view(2, 13)
+    loss = compiled(x, t)
+    loss.backward()
+    grads = [x.grad.clone(), model.proj.weight.grad.clone(), model.proj.bias.grad.clone()]
+    x.grad = None
+    model.zero_grad()
+    F.cross_entropy(model.proj(torch.tanh(x)).view(-1, 50), t.view(-1)).backward()
+    for got, ref in zip(grads, [x.grad, model.proj.weight.grad, model.proj.bias.grad]):
+        _close(got, ref, "gradient", rtol=1e-5)
+
+
+def test_default_chunk_size():
+    assert lce.default_chunk_size(4096, 2048, 32000) == 256  # Liger's: logits chunk ~ hidden's size
+    assert lce.default_chunk_size(10, 2048, 32000) == 10  # never more than N
+    assert lce.default_chunk_size(4096, 256, 128256) == 32  # the GEMM floor
+    assert lce.default_chunk_size(0, 8, 5) == 1
+
+
+def test_bad_arguments():
+    h, w, t = torch.zeros(4, 8), torch.zeros(5, 8), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(tensor_ops.InvalidArgumentError, match=r"hidden \[4, 8\], weight \[5, 7\]"):
+        tt.fused_linear_cross_entropy(h, torch.zeros(5, 7), t)
+    with pytest.raises(tensor_ops.InvalidArgumentError, match=r"target \[3\]"):
+        tt.fused_linear_cross_entropy(h, w, t[:3])
+    with pytest.raises(tensor_ops.InvalidArgumentError, match=r"bias must be \[5\]"):
+        tt.fused_linear_cross_entropy(h, w, t, torch.zeros(4))
+    with pytest.raises(tensor_ops.DTypeError, match="float64"):
+        tt.fused_linear_cross_entropy(h, w.double(), t)
+    with pytest.raises(tensor_ops.InvalidArgumentError, match="reduction"):
+        tt.fused_linear_cross_entropy(h, w, t, reduction="avg")
+    with pytest.raises(tensor_ops.InvalidArgumentError, match="chunk_size must be >= 1, got 0"):
+        tt.FusedLinearCrossEntropyLoss(chunk_size=0)
+    with pytest.raises(tensor_ops.ArgumentTypeError, match="chunk_size"):
+        tt.fused_linear_cross_entropy(h, w, t, chunk_size=2.0)
+    with pytest.raises(tensor_ops.DTypeError, match="numpy arrays"):
+        tensor_ops.fused_linear_cross_entropy(h, w, t)
+    with pytest.raises(tensor_ops.InvalidArgumentError, match="no classes"):
+        tensor_ops.fused_linear_cross_entropy(h.numpy(), np.zeros((0, 8), np.float32), t.numpy())
+
+
+def test_second_backward_refused(rng):
+    # the forward's gradients are scaled in place by the first backward
+    hidden, weight, target, _ = _data(rng, n=8)
+    h = torch.tensor(hidden, requires_grad=True)
+    loss = tt.fused_linear_cross_entropy(h, torch.tensor(weight), torch.as_tensor(target))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
