@@ -220,11 +220,12 @@ def _positions_for(x: Arg, positions, seq: int):
 
 
 def _cast_table(t, x: Arg, name: str):
+    """cos / sin in x's dtype (a float64 table is cast, not refused)."""
+    if isinstance(t, np.ndarray) and x.kind == "numpy" and t.dtype != x.original.dtype:
+        t = t.astype(x.original.dtype)
     a = Arg(t, name)
     if a.kind == "torch" and x.kind == "torch" and a.array.dtype != x.array.dtype:
         return Arg(a.array.to(x.array.dtype), name)
-    if a.kind == "numpy" and x.kind == "numpy" and a.original.dtype != x.original.dtype:
-        return Arg(a.original.astype(x.original.dtype), name)
     return a
 
 
