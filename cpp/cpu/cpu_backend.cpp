@@ -361,6 +361,7 @@ to_backend_v1 make_table() {
   to_backend_v1 t{};
   t.abi_version = TENSOR_OPS_PLUGIN_ABI_VERSION;
   t.name = "cpu";
+  t.flags = TO_BACKEND_CE_OPTIONS;
   t.init = cpu_init;
   t.priority = cpu_priority;
   t.device_count = cpu_device_count;
