@@ -361,7 +361,6 @@ to_backend_v1 make_table() {
   to_backend_v1 t{};
   t.abi_version = TENSOR_OPS_PLUGIN_ABI_VERSION;
   t.name = "cpu";
-  t.flags = TO_BACKEND_CE_OPTIONS;
   t.init = cpu_init;
   t.priority = cpu_priority;
   t.device_count = cpu_device_count;
@@ -380,6 +379,7 @@ to_backend_v1 make_table() {
                   OpId::softmax, OpId::softmax_backward, OpId::activation_backward, OpId::glu, OpId::glu_backward,
                   OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy})
     t.kernels[int(op)] = run_items;
+  t.flags |= TO_BACKEND_CE_OPTIONS;  // cross_entropy reads its option scalars
   return t;
 }
 
