@@ -84,16 +84,26 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
   }
 }
 
-// loss[r] = logsumexp(row) - row[t]; dlogits (when not NULL) =
-// grad_scale * (softmax(row) - onehot(t)). Rows whose target is the ignore
-// index get 0 (and a zero gradient row); any other target outside [0, C)
-// raises *bad and leaves the row. dlogits may be logits (in place): row[t]
-// is read before the block's first barrier, chunks stay with one thread.
+// Cross-entropy's options: label smoothing eps, z-loss zl, softcap cap (0: none).
+struct CeOptions {
+  float eps, zl, cap;
+};
+
+// The logit as the softmax sees it: cap * tanh(x / cap), or x.
+__device__ __forceinline__ float ce_z(float x, float cap) { return cap > 0.0f ? cap * tanhf(x / cap) : x; }
+
+// With z = ce_z(row) and lse = logsumexp(z): loss[r] = (1 - eps) (lse - z[t])
+// + eps (lse - mean(z)) + zl lse^2; dlogits (when not NULL) = grad_scale *
+// (softmax(z) (1 + 2 zl lse) - eps / C - (1 - eps) onehot(t)) * dz/dx. Rows
+// whose target is the ignore index get 0 (and a zero gradient row); any
+// other target outside [0, C) raises *bad and leaves the row. dlogits may be
+// logits (in place): row[t] is read before the block's first barrier,
+// chunks stay with one thread.
 template <class T, int V, class I>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     cross_entropy_kernel(const T* logits, int64_t l_stride, const I* __restrict__ target,
                          float* __restrict__ loss, T* dlogits, int64_t d_stride, int64_t rows,
-                         int64_t cols, int64_t ignore_index, float grad_scale, int* bad) {
+                         int64_t cols, int64_t ignore_index, float grad_scale, CeOptions o, int* bad) {
   const int64_t chunks = cols / V;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t t = int64_t(target[r]);
@@ -111,24 +121,38 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       continue;
     }
     const T* lr = logits + r * l_stride;
-    const float target_logit = to_f32(lr[t]);
-    float m = kNegInf, s = 0.0f;
+    const float target_logit = ce_z(to_f32(lr[t]), o.cap);
+    float m = kNegInf, s = 0.0f, zs = 0.0f;
     for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
       float a[V];
       load_chunk(lr, i, a);
 #pragma unroll
-      for (int k = 0; k < V; ++k) online_add(a[k], m, s);
+      for (int k = 0; k < V; ++k) {
+        const float z = ce_z(a[k], o.cap);
+        online_add(z, m, s);
+        zs += z;
+      }
     }
     float sum;
     const float row_max = block_max_sum(m, s, &sum);
-    if (threadIdx.x == 0) loss[r] = float(double(row_max) + ::log(double(sum)) - double(target_logit));
+    const float mean = o.eps != 0.0f ? block_sum(zs) / float(cols) : 0.0f;
+    const double lse = double(row_max) + ::log(double(sum));
+    if (threadIdx.x == 0)
+      loss[r] = float((1.0 - o.eps) * (lse - double(target_logit)) + o.eps * (lse - double(mean)) +
+                      o.zl * lse * lse);
     if (!dr) continue;
-    const float p_scale = (1.0f / sum) * grad_scale;
+    const float p_scale = float((1.0 + 2.0 * o.zl * lse) / sum) * grad_scale;
+    const float c0 = grad_scale * o.eps / float(cols), one = (1.0f - o.eps) * grad_scale;
     for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
       float a[V];
       load_chunk(lr, i, a);
 #pragma unroll
-      for (int k = 0; k < V; ++k) a[k] = expf(a[k] - row_max) * p_scale - (i * V + k == t ? grad_scale : 0.0f);
+      for (int k = 0; k < V; ++k) {
+        const float z = ce_z(a[k], o.cap);
+        float g = expf(z - row_max) * p_scale - c0 - (i * V + k == t ? one : 0.0f);
+        if (o.cap > 0.0f) g *= 1.0f - (z / o.cap) * (z / o.cap);
+        a[k] = g;
+      }
       store_chunk(dr, i, a);
     }
   }
@@ -180,7 +204,8 @@ to_status cross_entropy_typed(const to_op_call* c, cudaStream_t stream) {
     auto run = [&](auto* target) {
       cross_entropy_kernel<T, V><<<row_blocks(rows), threads, 0, stream>>>(
           element0<const T>(lt), lt.strides[0], target, element0<float>(ls), dlogits, grad ? dt.strides[0] : 0,
-          rows, cols, c->ints[0], float(c->scalars[0]), bad.device());
+          rows, cols, c->ints[0], float(c->scalars[0]),
+          CeOptions{float(c->scalars[1]), float(c->scalars[2]), float(c->scalars[3])}, bad.device());
     };
     if (tt.dtype == TO_INT64)
       run(element0<const int64_t>(tt));

@@ -624,7 +624,8 @@ to_status run_cross_entropy(const to_op_call* c) {
   TENSOR_OPS_CL_RETURN_IF_ERROR(set_kernel_args(k, blg, btg, cl_int(tg.dtype == TO_INT64), bloss, bdl,
                                                 cl_int(has_grad), cl_ulong(C), cl_long(c->ints[0]),
                                                 cl_float(c->scalars[0]), l.p->bad_flag,
-                                                LocalFloats{row_group_for(l, C)}));
+                                                LocalFloats{row_group_for(l, C)}, cl_float(c->scalars[1]),
+                                                cl_float(c->scalars[2]), cl_float(c->scalars[3])));
   TENSOR_OPS_CL_RETURN_IF_ERROR(enqueue_rows(l, k, N, C));
   cl_int bad = 0;
   TENSOR_OPS_CL_RETURN_IF_ERROR(read_flag(l, &bad));
@@ -721,7 +722,7 @@ to_backend_v1 make_table() {
   to_backend_v1 t{};
   t.abi_version = TENSOR_OPS_PLUGIN_ABI_VERSION;
   t.name = "opencl";
-  t.flags = TO_BACKEND_HANDLE_MEMORY;
+  t.flags = TO_BACKEND_HANDLE_MEMORY | TO_BACKEND_CE_OPTIONS;
   t.init = cl_init;
   t.priority = cl_priority;
   t.device_count = cl_device_count;

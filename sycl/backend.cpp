@@ -605,8 +605,9 @@ to_status run_attention_backward(const to_op_call* call) {
 }
 
 // logits [N, C], target int32 / int64 [N] -> loss float32 [N], dlogits?
-// [N, C]; ints[0] ignore_index, ints[1] has_grad; scalars[0] grad_scale. A
-// target outside [0, C) that is not ignore_index is an error.
+// [N, C]; ints[0] ignore_index, ints[1] has_grad; scalars[0] grad_scale, [1]
+// label_smoothing, [2] z_loss, [3] softcap. A target outside [0, C) that is
+// not ignore_index is an error.
 to_status run_cross_entropy(const to_op_call* call) {
   return run(call, "cross_entropy", [&](Call& c) {
     const to_tensor &lg = call->inputs[0], &tg = call->inputs[1], &loss = call->outputs[0];
@@ -617,7 +618,8 @@ to_status run_cross_entropy(const to_op_call* call) {
     const sycl::kernel k = c.kernel("to_cross_entropy");
     c.groups(k, size_t(N), c.local(k, row_group(C)), at(lg), at(tg), at(loss),
              grad ? at(call->outputs[1]) : at(lg), flag, C, int32_t(tg.dtype == TO_INT64), int64_t(call->ints[0]),
-             int32_t(grad), float(call->scalars[0]));
+             int32_t(grad), float(call->scalars[0]), float(call->scalars[1]), float(call->scalars[2]),
+             float(call->scalars[3]));
     if (flag_raised(*c.d))
       return fail(TO_ERR_INVALID_ARGUMENT, "cross_entropy: " + bad_target_message(int64_t(C), call->ints[0]));
     return c.d->check_async("cross_entropy");
@@ -628,7 +630,7 @@ to_backend_v1 make_table() {
   to_backend_v1 t{};
   t.abi_version = TENSOR_OPS_PLUGIN_ABI_VERSION;
   t.name = "sycl";
-  t.flags = 0;  // USM device pointers
+  t.flags = TO_BACKEND_CE_OPTIONS;  // USM device pointers (not handles)
   t.init = sycl_init;
   t.priority = sycl_priority;
   t.device_count = sycl_device_count;

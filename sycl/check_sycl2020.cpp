@@ -31,7 +31,7 @@ void submit_all(sycl::queue& q) {
       eltwise<T>(it, t, t, t, t, t, 1, 1, 1, 1, 1, 1, 1, 0, 0);
       softmax_row<T>(it, t, t, 1, 1, 1, 1.0f, 0, 0, 1);
       softmax_backward_row<T>(it, t, t, t, 1, 1, 1, 1, 1.0f, 0);
-      cross_entropy_row<T>(it, t, n, f, t, flag, 1, 1, -100, 1, 1.0f);
+      cross_entropy_row<T>(it, t, n, f, t, flag, 1, 1, -100, 1, 1.0f, 0.0f, 0.0f, 0.0f);
       rope_item<T>(it, t, t, t, n, t, flag, 1, 1, 1, 2, 1, 1, 1, 1, 0, 0);
       attention_row<T>(it, a, t, t, t, t, f, 1, 1, 1, 1, 1, 1.0f, 0);
       attention_delta<T>(it, t, t, f, 1, 1);

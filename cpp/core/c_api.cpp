@@ -179,7 +179,9 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
   };
   counts("inputs", n_inputs, s.n_in, inputs);
   counts("outputs", n_outputs, s.n_out, outputs);
-  counts("scalars", n_scalars, s.n_scalars, scalars);
+  // cross_entropy takes grad_scale alone or with label_smoothing, z_loss, softcap.
+  const bool ce_options = op == OpId::cross_entropy && n_scalars == 4;
+  counts("scalars", n_scalars, ce_options ? 4 : s.n_scalars, scalars);
   counts("ints", n_ints, s.n_ints, ints);
   const Tensor* in[TENSOR_OPS_MAX_OP_TENSORS] = {};
   const Tensor* out[TENSOR_OPS_MAX_OP_TENSORS] = {};
@@ -214,7 +216,10 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
       attention_backward(*in[0], *in[1], *in[2], *in[3], *in[4], *in[5], *out[0], *out[1], *out[2], int(ints[0]),
                          scalars[0]);
       break;
-    case OpId::cross_entropy: cross_entropy(*in[0], *in[1], *out[0], out[1], ints[0], scalars[0]); break;
+    case OpId::cross_entropy:
+      cross_entropy(*in[0], *in[1], *out[0], out[1], ints[0], scalars[0], ce_options ? scalars[1] : 0.0,
+                    ce_options ? scalars[2] : 0.0, ce_options ? scalars[3] : 0.0);
+      break;
   }
 }
 

@@ -638,7 +638,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 }
 
 void cross_entropy(const Tensor& logits, const Tensor& target, const Tensor& loss, const Tensor* dlogits,
-                   int64_t ignore_index, double grad_scale) {
+                   int64_t ignore_index, double grad_scale, double label_smoothing, double z_loss, double softcap) {
   const char* op = "cross_entropy";
   check_float(op, "logits", logits);
   if (logits.ndim() != 2) throw InvalidArgument("cross_entropy: logits must be [N, C], got " + logits.describe());
@@ -652,13 +652,30 @@ void cross_entropy(const Tensor& logits, const Tensor& target, const Tensor& los
   check_same_device(op, "loss", loss, logits);
   if (dlogits) check_like(op, "dlogits", *dlogits, logits);
   check_scale(op, grad_scale);
+  if (!(label_smoothing >= 0 && label_smoothing <= 1))
+    throw InvalidArgument("cross_entropy: label_smoothing must be in [0, 1], got " + std::to_string(label_smoothing));
+  if (!(std::isfinite(z_loss) && z_loss >= 0))
+    throw InvalidArgument("cross_entropy: z_loss must be finite and >= 0, got " + std::to_string(z_loss));
+  if (!(std::isfinite(softcap) && softcap >= 0))
+    throw InvalidArgument("cross_entropy: softcap must be finite and > 0 (0: none), got " + std::to_string(softcap));
   check_outputs(op, {&loss, dlogits}, {&logits, &target});
   if (logits.shape()[0] == 0) return;
   if (logits.shape()[1] == 0) throw InvalidArgument("cross_entropy: logits have no classes: " + logits.describe());
+  if (label_smoothing != 0 || z_loss != 0 || softcap != 0) {
+    const Backend& b = backend_for_tensor(logits);
+    if (!(b.table().flags & TO_BACKEND_CE_OPTIONS))
+      throw Unsupported("cross_entropy: backend '" + b.name() +
+                        "' does not implement label_smoothing, z_loss or softcap (got " +
+                        std::to_string(label_smoothing) + ", " + std::to_string(z_loss) + ", " +
+                        std::to_string(softcap) + "); run it on another backend or without them");
+  }
   to_op_call call{};
   call.ints[0] = ignore_index;
   call.ints[1] = dlogits != nullptr;
   call.scalars[0] = grad_scale;
+  call.scalars[1] = label_smoothing;
+  call.scalars[2] = z_loss;
+  call.scalars[3] = softcap;
   launch(OpId::cross_entropy, {&logits, &target}, {&loss, dlogits}, call, /*full=*/true);
 }
 

@@ -401,6 +401,7 @@ to_backend_v1 make_table() {
                   OpId::softmax, OpId::softmax_backward, OpId::activation_backward, OpId::glu, OpId::glu_backward,
                   OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy})
     t.kernels[int(op)] = run_items;
+  t.flags |= TO_BACKEND_CE_OPTIONS;  // cross_entropy reads its option scalars
   return t;
 }
 

@@ -411,39 +411,123 @@ inline int64_t attention_causal_offset(const to_op_call& c, int64_t Lq, int64_t 
 
 // ---- cross-entropy: items are rows ----------------------------------------
 
+// tanh(u): Cephes tanhf's odd polynomial below |u| = 0.625 (no cancellation
+// near 0), 1 - 2 / (e^2|u| + 1) with the sign above; branch-free selects.
+template <class T>
+TENSOR_OPS_VEC_INLINE T tanh_t(T u) {
+  const T a = abs_t(u), s = u * u;
+  const T small =
+      ((((-5.70498872745e-3f * s + 2.06390887954e-2f) * s - 5.37397155531e-2f) * s + 1.33314422036e-1f) * s -
+       3.33332819422e-1f) * s * u + u;
+  const T e = exp_nonpos_t(-2.0f * a);  // e^-2|u| <= 1
+  const T big = (1.0f - e) * recip_t(1.0f + e);
+  const T sbig = from_bits(as_bits(big) | (as_bits(u) & 0x80000000u));
+  return a < splat<T>(0.625f) ? small : sbig;
+}
+
+// One element of D at p (a target logit) and back.
+template <DType D>
+TENSOR_OPS_VEC_INLINE float get1(const void* row, int64_t i) {
+  if constexpr (D == DType::Float32) return static_cast<const float*>(row)[i];
+  else if constexpr (D == DType::BFloat16) return bf16_bits_to_f32(static_cast<const uint16_t*>(row)[i]);
+  else return half_bits_to_f32(static_cast<const uint16_t*>(row)[i]);
+}
+template <DType D>
+TENSOR_OPS_VEC_INLINE void set1(void* row, int64_t i, float v) {
+  if constexpr (D == DType::Float32) static_cast<float*>(row)[i] = v;
+  else if constexpr (D == DType::BFloat16) static_cast<uint16_t*>(row)[i] = f32_to_bf16_bits(v);
+  else static_cast<uint16_t*>(row)[i] = f32_to_half_bits(v);
+}
+
+// ints[0] ignore_index, ints[1] has_grad; scalars[0] grad_scale, [1]
+// label_smoothing, [2] z_loss, [3] softcap (0: none). dlogits may be the
+// logits themselves (in place): each row is read whole before it is written.
+// Passes per row: max (the only read from memory; softcapped logits kept in
+// scratch), sum of exp (from L2; e kept in scratch when the gradient needs
+// it), the gradient from registers. scratch: one row.
 template <DType D>
 int cross_entropy_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &lg = c.inputs[0], &tg = c.inputs[1], &loss = c.outputs[0], &dl = c.outputs[1];
   const int64_t C = lg.shape[1];
   const int64_t ignore = c.ints[0];
-  const bool grad = c.ints[1];
+  const bool grad = c.ints[1], nt = c.ints[7];
   const float gscale = float(c.scalars[0]);
+  const double eps = c.scalars[1], zl = c.scalars[2];
+  const float cap = float(c.scalars[3]), inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
+  const bool softcap = cap > 0;
+  constexpr int64_t item = dtype_size(D);
   float* v = scratch;
+  // The rest of a row given its max: the loss, then the gradient.
+  auto row_loss = [&](int64_t r, int64_t t, float m, const void* xr, char* grow, auto z) {
+    float* lrow = static_cast<float*>(loss.data) + r;
+    const float zt = softcap ? v[t] : get1<D>(xr, t);
+    const char* next = r + 1 < r1 ? row_of<D>(lg, r + 1) : nullptr;
+    const bool keep_e = grad && !softcap;
+    const double sum = vsum(C, [&](int64_t i, auto a) {
+      if (next) prefetch(next + i * item);
+      const vf e = exp_nonpos_t(z(i, a) - m);
+      if (keep_e) a.st(v + i, e);
+      return e;
+    });
+    const double lse = double(m) + __builtin_log(sum);
+    double l = lse - double(zt);
+    if (eps != 0) {
+      const double mean = vsum(C, [&](int64_t i, auto a) { return z(i, a); }) / double(C);
+      l = (1.0 - eps) * l + eps * (lse - mean);
+    }
+    l += zl * lse * lse;
+    *lrow = float(l);
+    if (!grad) return;
+    // d/dz = p (1 + 2 z_loss lse) - eps / C - (1 - eps) onehot; through the
+    // softcap times 1 - tanh^2. The target's element is written after the row.
+    const float k1 = float((1.0 + 2.0 * zl * lse) / sum) * gscale, c0 = float(eps / double(C)) * gscale;
+    if (softcap) {
+      vmapx<D>(grow, C, nt, [&](int64_t i, auto a) {
+        const vf y = a.ld(v + i), th = y * inv_cap;
+        return (exp_nonpos_t(y - m) * k1 - c0) * (1.0f - th * th);
+      });
+    } else {
+      vmapx<D>(grow, C, nt, [&](int64_t i, auto a) { return a.ld(v + i) * k1 - c0; });
+    }
+    // The target's p - 1 as (e - sum) / sum in double: no cancellation when
+    // the row is confident (p near 1).
+    const double et = double(exp_nonpos_t(zt - m)), pt = et / sum;
+    const double gt = ((et - sum) / sum * (1.0 - eps) + pt * (eps + 2.0 * zl * lse) - eps / double(C)) * gscale;
+    const float th = zt * inv_cap;
+    set1<D>(grow, t, float(gt) * (softcap ? 1.0f - th * th : 1.0f));
+  };
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t t = index_at(tg, r * tg.strides[0]);
     float* lrow = static_cast<float*>(loss.data) + r;
+    char* grow = grad ? row_of<D>(dl, r) : nullptr;
     if (t == ignore) {
       *lrow = 0;
-      if (grad) {
-        for (int64_t j = 0; j < C; ++j) v[j] = 0;
-        st<D>(v, dl.data, r * dl.strides[0], C);
-      }
+      if (grad) vmapx<D>(grow, C, nt, [](int64_t, auto) { return splat<vf>(0.0f); });
       continue;
     }
     if (t < 0 || t >= C) return 2;
-    ld<D>(lg.data, r * lg.strides[0], C, v);
-    float m = v[0];
-    for (int64_t j = 1; j < C; ++j) m = v[j] > m ? v[j] : m;
-    const float xt = v[t];
-    for (int64_t j = 0; j < C; ++j) v[j] = exp_f32(v[j] - m);
-    const double sum = sum_f(v, C);
-    *lrow = float(double(m) + __builtin_log(sum) - double(xt));
-    if (grad) {
-      const float inv = float(1.0 / sum);
-      for (int64_t j = 0; j < C; ++j) v[j] *= inv * gscale;
-      v[t] -= gscale;
-      put<D>(v, dl.data, r * dl.strides[0], C, c.ints[7]);
+    const void* xr = row_of<D>(lg, r);
+    bool nan = false;
+    float m;
+    if (softcap) {
+      m = vmax(C, [&](int64_t i, auto a) {
+        const vf x = ldx<D>(xr, i, a);
+        const vf y = cap * tanh_t(x * inv_cap);
+        a.st(v + i, y);
+        return x == x ? y : x;  // NaN stays NaN
+      }, &nan);
+    } else {
+      m = vmax(C, [&](int64_t i, auto a) { return ldx<D>(xr, i, a); }, &nan);
     }
+    if (nan || !__builtin_isfinite(m)) {
+      // A NaN, an infinite max or an all -inf row: NaN, as the sum would make it.
+      *lrow = __builtin_nanf("");
+      if (grad) vmapx<D>(grow, C, nt, [](int64_t, auto) { return splat<vf>(__builtin_nanf("")); });
+      continue;
+    }
+    // The logit as the softmax sees it: softcapped (in scratch) or the row's.
+    if (softcap) row_loss(r, t, m, xr, grow, [&](int64_t i, auto a) { return a.ld(v + i); });
+    else row_loss(r, t, m, xr, grow, [&](int64_t i, auto a) { return ldx<D>(xr, i, a); });
   }
   return 0;
 }

@@ -48,14 +48,20 @@ __kernel void softmax_backward(const __global T* dy, ulong dy_off, ulong dy_stri
   }
 }
 
-// loss[r] = logsumexp(x_r) - x_r[t] (as log(sum) + (max - x_r[t]): no
-// cancellation for large logits); dlogits (has_grad) = grad_scale *
-// (softmax(x_r) - onehot(t)). Rows with t == ignore_index: loss 0, grad 0. A
-// target outside [0, C) sets *bad = 2 (the host reports it) and the row is
-// left alone.
+// With z = cap * tanh(x / cap) (cap > 0; else z = x) and lse = logsumexp(z_r):
+// loss[r] = (1 - eps) (lse - z_r[t]) + eps (lse - mean(z_r)) + zl lse^2 (the
+// first term as log(sum) + (max - z[t]): no cancellation for large logits);
+// dlogits (has_grad) = grad_scale * (softmax(z_r) (1 + 2 zl lse) - eps / C -
+// (1 - eps) onehot(t)) * dz/dx. Rows with t == ignore_index: loss 0, grad 0.
+// A target outside [0, C) sets *bad = 2 (the host reports it) and the row is
+// left alone. dl may be lg (in place): z[t] is read before the first barrier
+// and each element is read, then written, by one work-item.
+float8 ce_z(float8 x, float cap) { return cap > 0.0f ? cap * tanh(x / cap) : x; }
+
 __kernel void cross_entropy(const __global T* lg, ulong lg_off, const __global int* tg, ulong tg_off, int tg64,
                             __global float* loss, ulong loss_off, __global T* dl, ulong dl_off, int has_grad,
-                            ulong C, long ignore, float gscale, __global int* bad, __local float* red) {
+                            ulong C, long ignore, float gscale, __global int* bad, __local float* red, float eps,
+                            float zl, float cap) {
   const ulong row = get_group_id(0);
   const long t = index_at(tg, tg64, tg_off + row);
   const ulong lr = lg_off + row * C, dr = dl_off + row * C;
@@ -68,19 +74,30 @@ __kernel void cross_entropy(const __global T* lg, ulong lg_off, const __global i
     if (get_local_id(0) == 0) *bad = 2;
     return;
   }
+  const float zt = ce_z((float8)load_f32(lg, lr + (ulong)t), cap).s0;
   const float ninf = -INFINITY;
   float8 mx = ninf;
-  TO_ROW_CHUNKS(C) mx = fmax(mx, load8n(lg, lr + c, n, ninf));
+  TO_ROW_CHUNKS(C) mx = fmax(mx, ce_z(load8n(lg, lr + c, n, ninf), cap));
   const float m = group_max(hmax8(mx), red);
-  float8 acc = 0.0f;
-  TO_ROW_CHUNKS(C) acc += select((float8)0.0f, exp(load8n(lg, lr + c, n, 0.0f) - m), lanes_below(n));
+  float8 acc = 0.0f, zsum = 0.0f;
+  TO_ROW_CHUNKS(C) {
+    const float8 z = ce_z(load8n(lg, lr + c, n, 0.0f), cap);
+    acc += select((float8)0.0f, exp(z - m), lanes_below(n));
+    zsum += select((float8)0.0f, z, lanes_below(n));
+  }
   const float sum = group_sum(hsum8(acc), red);
-  if (get_local_id(0) == 0) loss[loss_off + row] = log(sum) + (m - load_f32(lg, lr + (ulong)t));
+  const float mean = eps != 0.0f ? group_sum(hsum8(zsum), red) / (float)C : 0.0f;
+  const float lse = m + log(sum);
+  if (get_local_id(0) == 0)
+    loss[loss_off + row] = (1.0f - eps) * (log(sum) + (m - zt)) + eps * (lse - mean) + zl * lse * lse;
   if (has_grad) {
-    const float inv = gscale / sum;
+    const float k1 = gscale * (1.0f + 2.0f * zl * lse) / sum, c0 = gscale * eps / (float)C;
+    const float one = (1.0f - eps) * gscale;
     TO_ROW_CHUNKS(C) {
-      float8 g = exp(load8n(lg, lr + c, n, 0.0f) - m) * inv;
-      g -= select((float8)0.0f, (float8)gscale, (int8)(0, 1, 2, 3, 4, 5, 6, 7) == (int8)((int)clamp((long)t - (long)c, -1L, 8L)));
+      const float8 z = ce_z(load8n(lg, lr + c, n, 0.0f), cap);
+      float8 g = exp(z - m) * k1 - c0;
+      g -= select((float8)0.0f, (float8)one, (int8)(0, 1, 2, 3, 4, 5, 6, 7) == (int8)((int)clamp((long)t - (long)c, -1L, 8L)));
+      if (cap > 0.0f) g *= 1.0f - (z / cap) * (z / cap);
       store8n(dl, dr + c, g, n);
     }
   }

@@ -196,14 +196,15 @@ void init_ops(nb::module_& m) {
   m.def(
       "cross_entropy",
       [](Array logits, Array target, Array loss, Array dlogits, int64_t ignore_index, double grad_scale,
-         bool bf16) {
+         double label_smoothing, double z_loss, double softcap, bool bf16) {
         Tensor a = to_tensor(logits, "logits", bf16), b = to_tensor(target, "target"), c = to_tensor(loss, "loss");
         Opt d(dlogits, "dlogits", bf16);
         nb::gil_scoped_release release;
-        cross_entropy(a, b, c, d.get(), ignore_index, grad_scale);
+        cross_entropy(a, b, c, d.get(), ignore_index, grad_scale, label_smoothing, z_loss, softcap);
       },
       nb::arg("logits"), nb::arg("target"), nb::arg("loss"), nb::arg("dlogits").none(), nb::arg("ignore_index"),
-      nb::arg("grad_scale"), nb::arg("bf16") = false);
+      nb::arg("grad_scale"), nb::arg("label_smoothing") = 0.0, nb::arg("z_loss") = 0.0, nb::arg("softcap") = 0.0,
+      nb::arg("bf16") = false);
   m.def(
       "data_ptr",
       [](const Array& x) {

@@ -197,19 +197,31 @@ def attention(q, k, v, scale, causal):
     return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
-@_jit("ignore_index")
-def cross_entropy(logits, target, ignore_index):
-    """Per-row loss (float32) and the gradient of their sum (logits' dtype)."""
+@_jit("ignore_index", "label_smoothing", "z_loss", "softcap")
+def cross_entropy(logits, target, ignore_index, label_smoothing=0.0, z_loss=0.0, softcap=0.0):
+    """Per-row loss (float32) and the gradient of their sum (logits' dtype);
+    the options as tensor_ops.cross_entropy's (softcap 0: none)."""
     jax, jnp, _ = _mods()
-    lg = _acc(logits)
+    x = _acc(logits)
+    if softcap:
+        th = jnp.tanh(x / softcap)
+        lg, dz = softcap * th, 1 - th * th
+    else:
+        lg, dz = x, 1.0
+    C = lg.shape[1]
     valid = target != ignore_index
     t = jnp.where(valid, target, 0)
     m = jnp.max(lg, axis=-1, keepdims=True)
     e = jnp.exp(lg - m)
     s = jnp.sum(e, axis=-1, keepdims=True)
+    lse = (m + jnp.log(s))[:, 0]
     picked = jnp.take_along_axis(lg, t[:, None], axis=1, mode="fill", fill_value=jnp.nan)[:, 0]
-    loss = jnp.where(valid, (m + jnp.log(s))[:, 0] - picked, 0.0)
-    grad = e / s - jax.nn.one_hot(t, lg.shape[1], dtype=lg.dtype)
+    rows = (1 - label_smoothing) * (lse - picked) + z_loss * lse * lse
+    if label_smoothing:
+        rows = rows + label_smoothing * (lse - jnp.mean(lg, axis=-1))
+    loss = jnp.where(valid, rows, 0.0)
+    grad = e / s * (1 + 2 * z_loss * lse)[:, None] - label_smoothing / C
+    grad = (grad - (1 - label_smoothing) * jax.nn.one_hot(t, C, dtype=lg.dtype)) * dz
     grad = jnp.where(valid[:, None], grad, 0.0)
     return loss.astype(jnp.float32), grad
 

@@ -109,5 +109,18 @@ def attention(q, k, v, causal: int, scale):
     return (p @ vf).to(q.dtype), lse.float()
 
 
-def cross_entropy(logits, target, ignore_index: int, reduction: str):
-    return F.cross_entropy(_acc(logits), target.long(), ignore_index=int(ignore_index), reduction=reduction).float()
+def cross_entropy(logits, target, ignore_index: int, reduction: str, label_smoothing=0.0, z_loss=0.0, softcap=0.0):
+    z = _acc(logits)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    target = target.long()
+    if not z_loss:
+        return F.cross_entropy(z, target, ignore_index=int(ignore_index), reduction=reduction,
+                               label_smoothing=label_smoothing).float()
+    valid = target != int(ignore_index)
+    rows = F.cross_entropy(z, target, ignore_index=int(ignore_index), reduction="none", label_smoothing=label_smoothing)
+    rows = rows + z_loss * torch.logsumexp(z, -1) ** 2 * valid
+    if reduction == "none":
+        return rows.float()
+    total = rows.sum()
+    return (total if reduction == "sum" else total / valid.sum()).float()

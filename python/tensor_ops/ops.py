@@ -298,16 +298,39 @@ def _host_values(arg: Arg):
     return a
 
 
-def _ce(logits, target, ignore_index, reduction, grad):
+def _ce_options(label_smoothing, z_loss, softcap):
+    """The option scalars as the core takes them (softcap None -> 0: none)."""
+    ls = _checks.real("label_smoothing", label_smoothing, nonneg=True)
+    if ls > 1:
+        raise InvalidArgumentError(f"cross_entropy: label_smoothing must be in [0, 1], got {ls}")
+    z = _checks.real("z_loss", z_loss, nonneg=True)
+    cap = 0.0
+    if softcap is not None:
+        cap = _checks.real("softcap", softcap)
+        if cap <= 0:
+            raise InvalidArgumentError(f"cross_entropy: softcap must be > 0 (or None for none), got {cap}")
+    return ls, z, cap
+
+
+def _ce(logits, target, ignore_index, reduction, grad, label_smoothing=0.0, z_loss=0.0, softcap=None,
+        inplace=False):
     _checks.choice("reduction", reduction, ("mean", "sum", "none"))
     ignore_index = _checks.integer("ignore_index", ignore_index)
+    options = _ce_options(label_smoothing, z_loss, softcap)
+    inplace = _checks.flag("inplace", inplace)
     lg, tg = Arg(logits, "logits"), Arg(target, "target")
     n_valid = int((_host_values(tg) != ignore_index).sum())
     # The gradient of the reduced loss: mean divides by the rows that count.
     scale = (1.0 / n_valid if n_valid else 0.0) if reduction == "mean" else 1.0
     loss = empty_like(lg, tuple(lg.array.shape)[:1], "float32")
-    dlogits = empty_like(lg) if grad else None
-    run(_C.cross_entropy, [lg, tg], [loss, dlogits], int(ignore_index), float(scale))
+    if inplace and lg.kind == "dlpack":
+        raise InvalidArgumentError("cross_entropy_with_grad: inplace=True needs numpy, torch or tensor_ops logits "
+                                   f"(the gradient is written into them), got {type(logits).__name__}")
+    # In place: the logits as given (numpy bfloat16 included), torch's without its autograd view.
+    dlogits = ((lg.original if lg.kind == "numpy" else lg.array) if inplace else empty_like(lg)) if grad else None
+    run(_C.cross_entropy, [lg, tg], [loss, dlogits], int(ignore_index), float(scale), *options)
+    if inplace:
+        dlogits = logits
     if reduction == "none":
         return loss, dlogits
     total = (loss.numpy() if lg.kind == "tensor_ops" else loss).sum()
@@ -316,16 +339,23 @@ def _ce(logits, target, ignore_index, reduction, grad):
     return (total / n_valid if n_valid else total * float("nan")), dlogits
 
 
-def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean"):
+def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean", *,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None):
     """Cross-entropy of logits [N, C] against class indices [N]
-    (ignore_index rows count for nothing)."""
-    return _ce(logits, target, ignore_index, reduction, False)[0]
+    (ignore_index rows count for nothing). label_smoothing as torch's;
+    z_loss adds z_loss * logsumexp^2 per row (PaLM); softcap replaces the
+    logits by softcap * tanh(logits / softcap) first (Gemma 2)."""
+    return _ce(logits, target, ignore_index, reduction, False, label_smoothing, z_loss, softcap)[0]
 
 
-def cross_entropy_with_grad(logits, target, ignore_index: int = -100, reduction: str = "mean"):
+def cross_entropy_with_grad(logits, target, ignore_index: int = -100, reduction: str = "mean", *,
+                            label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                            inplace: bool = False):
     """(loss, dlogits) in one pass: the gradient of the reduced loss is
-    written while the row is in cache (Liger's memory saving)."""
-    return _ce(logits, target, ignore_index, reduction, True)
+    written while the row is in cache. inplace=True writes it into the
+    logits' own buffer and returns logits as dlogits (Liger's memory
+    saving: no second [N, C] array). Options as cross_entropy."""
+    return _ce(logits, target, ignore_index, reduction, True, label_smoothing, z_loss, softcap, inplace)
 
 
 __all__ = [

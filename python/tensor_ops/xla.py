@@ -360,8 +360,20 @@ def _ce_args(logits, target, reduction):
     return logits, target
 
 
-def _ce(logits, target, ignore_index, reduction):
+def _ce_options(label_smoothing, z_loss, softcap):
+    from ._checks import real
+    ls, z = real("label_smoothing", label_smoothing, nonneg=True), real("z_loss", z_loss, nonneg=True)
+    if ls > 1:
+        raise InvalidArgumentError(f"cross_entropy: label_smoothing must be in [0, 1], got {ls}")
+    cap = 0.0 if softcap is None else real("softcap", softcap)
+    if softcap is not None and cap <= 0:
+        raise InvalidArgumentError(f"cross_entropy: softcap must be > 0 (or None for none), got {cap}")
+    return ls, z, cap
+
+
+def _ce(logits, target, ignore_index, reduction, label_smoothing=0.0, z_loss=0.0, softcap=None):
     jnp = _jax().numpy
+    ls, zl, cap = _ce_options(label_smoothing, z_loss, softcap)
     logits, target = _ce_args(logits, target, reduction)
     if _concrete(target) and target.size:
         t = np.asarray(target)
@@ -369,7 +381,7 @@ def _ce(logits, target, ignore_index, reduction):
         if bad.any():
             raise InvalidArgumentError(f"cross_entropy: target {int(t[bad][0])} is outside [0, {logits.shape[1]}) "
                                        f"and is not ignore_index ({ignore_index})")
-    rows, grad = _k.cross_entropy(logits, target, int(ignore_index))
+    rows, grad = _k.cross_entropy(logits, target, int(ignore_index), ls, zl, cap)
     if reduction == "none":
         return rows, grad.astype(logits.dtype)
     total = jnp.sum(rows)
@@ -380,18 +392,26 @@ def _ce(logits, target, ignore_index, reduction):
     return total / n, (grad / jnp.maximum(n, 1)).astype(logits.dtype)
 
 
-def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean"):
+def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean", *,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None):
     """Cross-entropy of logits [N, C] against class indices [N]; the loss is
     float32 (as the native op); mean is over rows whose target is not
-    ignore_index (NaN when there is none)."""
+    ignore_index (NaN when there is none). Options as tensor_ops.cross_entropy."""
     if is_torch_xla(logits):
-        return _tx().cross_entropy(logits, target, ignore_index, reduction)
-    return _ce(logits, target, ignore_index, reduction)[0]
+        ls, zl, cap = _ce_options(label_smoothing, z_loss, softcap)
+        return _tx().cross_entropy(logits, target, ignore_index, reduction, ls, zl, cap)
+    return _ce(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap)[0]
 
 
-def cross_entropy_with_grad(logits, target, ignore_index: int = -100, reduction: str = "mean"):
-    """(loss, dlogits): dlogits is the gradient of the reduced loss."""
-    return _ce(logits, target, ignore_index, reduction)
+def cross_entropy_with_grad(logits, target, ignore_index: int = -100, reduction: str = "mean", *,
+                            label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
+                            inplace: bool = False):
+    """(loss, dlogits): dlogits is the gradient of the reduced loss. XLA
+    arrays are immutable: inplace=True is refused."""
+    if inplace is not False:
+        raise UnsupportedError("cross_entropy_with_grad: inplace=True cannot write into an XLA array (they are "
+                               "immutable); use inplace=False")
+    return _ce(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap)
 
 
 def rms_norm_backward(dy, x, weight, eps: float = 1e-6):

@@ -248,10 +248,61 @@ static void test_last_error_is_per_thread(void) {
   CHECK(strstr(to_last_error(), "silu: x is NULL") != NULL);
 }
 
+/* cross_entropy through to_op_run with its options (4 scalars): label
+ * smoothing 0.1, z-loss 0.01, softcap 2 against a double reference; the
+ * 1-scalar form still works and other counts are refused. */
+static void test_cross_entropy_options(void) {
+  enum { N = 2, C = 5 };
+  float x[N * C], loss[N], dl[N * C];
+  int64_t tg[N] = {3, 0};
+  for (int i = 0; i < N * C; ++i) x[i] = (float)((i * 7) % 9) * 0.5f - 2.0f;
+  const int64_t shape[2] = {N, C}, nshape[1] = {N};
+  to_tensor_h tx = make(x, TO_FLOAT32, 2, shape, NULL, NULL), tt = make(tg, TO_INT64, 1, nshape, NULL, NULL);
+  to_tensor_h tl = make(loss, TO_FLOAT32, 1, nshape, NULL, NULL), td = make(dl, TO_FLOAT32, 2, shape, NULL, NULL);
+  const to_tensor_h in[2] = {tx, tt}, out[2] = {tl, td};
+  const double sc[4] = {1.0, 0.1, 0.01, 2.0};
+  const int64_t ints[1] = {-100};
+  EXPECT_OK(to_op_run(TO_OP_cross_entropy, in, 2, out, 2, sc, 4, ints, 1));
+  for (int r = 0; r < N; ++r) {
+    double z[C], m = -INFINITY, s = 0, mean = 0;
+    for (int j = 0; j < C; ++j) {
+      z[j] = 2.0 * tanh(x[r * C + j] / 2.0);
+      m = z[j] > m ? z[j] : m;
+      mean += z[j] / C;
+    }
+    for (int j = 0; j < C; ++j) s += exp(z[j] - m);
+    const double lse = m + log(s);
+    const double want = 0.9 * (lse - z[tg[r]]) + 0.1 * (lse - mean) + 0.01 * lse * lse;
+    if (fabs(loss[r] - want) > 1e-5 * (1.0 + fabs(want))) {
+      fprintf(stderr, "cross_entropy loss[%d] = %.8g, want %.8g\n", r, loss[r], want);
+      ++failures;
+    }
+    for (int j = 0; j < C; ++j) {
+      const double th = z[j] / 2.0;
+      const double g = (exp(z[j] - lse) * (1 + 0.02 * lse) - 0.1 / C - (j == tg[r] ? 0.9 : 0.0)) * (1 - th * th);
+      if (fabs(dl[r * C + j] - g) > 1e-5 * (1.0 + fabs(g))) {
+        fprintf(stderr, "cross_entropy dlogits[%d][%d] = %.8g, want %.8g\n", r, j, dl[r * C + j], g);
+        ++failures;
+      }
+    }
+  }
+  EXPECT_OK(to_op_run(TO_OP_cross_entropy, in, 2, out, 2, sc, 1, ints, 1));
+  EXPECT_ERROR(to_op_run(TO_OP_cross_entropy, in, 2, out, 2, sc, 2, ints, 1), TO_ERR_INVALID_ARGUMENT,
+               "takes 1 scalars, got 2");
+  const double bad[4] = {1.0, 1.5, 0.0, 0.0};
+  EXPECT_ERROR(to_op_run(TO_OP_cross_entropy, in, 2, out, 2, bad, 4, ints, 1), TO_ERR_INVALID_ARGUMENT,
+               "label_smoothing must be in [0, 1]");
+  to_tensor_destroy(tx);
+  to_tensor_destroy(tt);
+  to_tensor_destroy(tl);
+  to_tensor_destroy(td);
+}
+
 int main(void) {
   test_version_and_names();
   test_backends();
   test_rms_norm_values();
+  test_cross_entropy_options();
   test_bad_input();
   test_last_error_is_per_thread();
   if (failures) {

@@ -69,10 +69,14 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, int causal,
                         double scale);
 // cross_entropy: in logits [N, C], target int32/int64 [N] -> loss float32 [N], dlogits? [N, C]
-// (= grad_scale * (softmax - onehot), 0 on ignored rows); ints[0] ignore_index; ints[1] has_grad;
-// scalars[0] grad_scale.
+// (its gradient times grad_scale, 0 on ignored rows; dlogits may be logits itself: in place).
+// With z = softcap * tanh(logits / softcap) (softcap > 0, else z = logits), lse = logsumexp(z):
+// loss = (1 - label_smoothing) (lse - z[t]) + label_smoothing (lse - mean(z)) + z_loss * lse^2.
+// ints[0] ignore_index; ints[1] has_grad; scalars[0] grad_scale, [1] label_smoothing, [2] z_loss,
+// [3] softcap (backends with TO_BACKEND_CE_OPTIONS only).
 void cross_entropy(const Tensor& logits, const Tensor& target, const Tensor& loss, const Tensor* dlogits,
-                   int64_t ignore_index, double grad_scale);
+                   int64_t ignore_index, double grad_scale, double label_smoothing = 0, double z_loss = 0,
+                   double softcap = 0);
 
 // Name of the backend an op with these tensors would run on.
 std::string backend_for(const Tensor& x);

@@ -99,6 +99,10 @@ typedef to_status (*to_kernel_fn)(const to_op_call* call);
  * such a child, with the reason, instead of calling into a vendor runtime
  * (CUDA, OpenCL, SYCL) that fork() left without its threads. */
 #define TO_BACKEND_FORK_SAFE 2u
+/* cross_entropy reads scalars[1..3] (label_smoothing, z_loss, softcap); the
+ * core refuses those options on a backend without this flag (older plugins
+ * read only scalars[0] and ints[0..1]). */
+#define TO_BACKEND_CE_OPTIONS 4u
 
 typedef struct to_backend_v1 {
   uint32_t abi_version; /* TENSOR_OPS_PLUGIN_ABI_VERSION */

@@ -351,11 +351,18 @@ def _scaled(dlogits, dloss, reduction):
     return dlogits * (g[:, None] if reduction == "none" else g)
 
 
-def cross_entropy_with_grad(logits: Tensor, target: Tensor, ignore_index: int = -100,
-                            reduction: str = "mean") -> Tuple[Tensor, Tensor]:
+# Cross-entropy's options after (logits, target): ignore_index, reduction,
+# label_smoothing, z_loss, softcap (tensor_ops.cross_entropy's meanings).
+_CE_NONES = (None,) * 6
+
+
+def cross_entropy_with_grad(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
+                            label_smoothing: float = 0.0, z_loss: float = 0.0,
+                            softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
     """(float32 loss, dlogits): the gradient of the reduced loss, written in
     the forward pass while each row is in cache."""
-    loss, dlogits = _to.cross_entropy_with_grad(_c(logits), _c(target), ignore_index, reduction)
+    loss, dlogits = _to.cross_entropy_with_grad(_c(logits), _c(target), ignore_index, reduction,
+                                                label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     return torch.as_tensor(loss), dlogits
 
 
@@ -366,32 +373,37 @@ def _ce_with_grad_setup(ctx, inputs, output):
 
 
 def _ce_with_grad_bwd(ctx, dloss, _, k):
-    return _scaled(ctx.saved_tensors[0], dloss, ctx.reduction), None, None, None
+    return _scaled(ctx.saved_tensors[0], dloss, ctx.reduction), *_CE_NONES
 
 
 _register(cross_entropy_with_grad,
-          lambda logits, target, ignore_index=-100, reduction="mean": (_loss_like(logits, reduction), _like(logits)),
+          lambda logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None:
+          (_loss_like(logits, reduction), _like(logits)),
           _ce_with_grad_setup, _ce_with_grad_bwd)
 
 
-def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None) -> Tensor:
     """The float32 loss alone. tensor_ops.torch.cross_entropy calls
     cross_entropy_with_grad instead whenever logits need a gradient; called
     directly with grad, this op's backward runs the fused kernel again."""
-    return torch.as_tensor(_to.cross_entropy(_c(logits), _c(target), ignore_index, reduction))
+    return torch.as_tensor(_to.cross_entropy(_c(logits), _c(target), ignore_index, reduction,
+                                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap))
 
 
 def _ce_setup(ctx, inputs, output):
-    logits, target, ignore_index, reduction = inputs
+    logits, target, *options = inputs
     ctx.save_for_backward(logits, target)
-    ctx.ignore_index, ctx.reduction = ignore_index, reduction
+    ctx.options = options
 
 
 def _ce_bwd(ctx, dloss, k):
     logits, target = ctx.saved_tensors
-    _, dlogits = k.cross_entropy_with_grad(logits, target, ctx.ignore_index, ctx.reduction)
-    return _scaled(dlogits, dloss, ctx.reduction), None, None, None
+    _, dlogits = k.cross_entropy_with_grad(logits, target, *ctx.options)
+    return _scaled(dlogits, dloss, ctx.options[1]), *_CE_NONES
 
 
-_register(cross_entropy, lambda logits, target, ignore_index=-100, reduction="mean": _loss_like(logits, reduction),
+_register(cross_entropy,
+          lambda logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None:
+          _loss_like(logits, reduction),
           _ce_setup, _ce_bwd)

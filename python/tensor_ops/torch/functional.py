@@ -87,18 +87,23 @@ def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, *, r
     return (out, lse) if return_lse else out
 
 
-def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean"):
+def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean", *,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None):
     """The float32 cross-entropy of logits [N, C] against class indices [N].
     When logits need a gradient, the forward pass also writes it (the fused
-    kernel) and the backward only scales it."""
+    kernel) and the backward only scales it. label_smoothing as
+    F.cross_entropy's; z_loss adds z_loss * logsumexp^2 per row (PaLM);
+    softcap: logits -> softcap * tanh(logits / softcap) first (Gemma 2)."""
+    args = (logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap)
     if torch.is_grad_enabled() and logits.requires_grad:
-        return _run("cross_entropy_with_grad", logits, target, ignore_index, reduction)[0]
-    return _run("cross_entropy", logits, target, ignore_index, reduction)
+        return _run("cross_entropy_with_grad", *args)[0]
+    return _run("cross_entropy", *args)
 
 
-def cross_entropy_with_grad(logits, target, ignore_index: int = -100, reduction: str = "mean"):
-    """(float32 loss, dlogits of the reduced loss) in one pass."""
-    return _run("cross_entropy_with_grad", logits, target, ignore_index, reduction)
+def cross_entropy_with_grad(logits, target, ignore_index: int = -100, reduction: str = "mean", *,
+                            label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None):
+    """(float32 loss, dlogits of the reduced loss) in one pass; options as cross_entropy."""
+    return _run("cross_entropy_with_grad", logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap)
 
 
 def rms_norm_backward(dy, x, weight, eps: float = 1e-6):
