@@ -6,15 +6,15 @@ time; each chunk's logits go into one [chunk, V] buffer reused by every chunk,
 our cross_entropy_with_grad writes their gradient in the same pass, and the
 three GEMMs that follow (grad_hidden = dlogits @ W, grad_weight += dlogits.T @
 hidden, grad_bias += the column sums) consume it before the next chunk. So the
-peak holds the inputs, the gradients (which any training step holds) and two
-[chunk, V] blocks. The chunks' gradients are those of the summed loss; the
-mean's 1 / n_valid (valid rows of the whole batch, not of a chunk) and a
-backward's grad_output scale the finished gradients once at the end, a pass
-over [N, H] and [V, H] against the GEMMs' 6 N H V flops. Gradients of fp16 /
-bf16 inputs accumulate over chunks in fp32 (grad_weight sums N / chunk
-rounded GEMM outputs otherwise). This module runs numpy input on numpy's
-BLAS; tensor_ops.torch.fused_linear_cross_entropy runs the same loop on
-torch's GEMMs.
+peak holds the inputs, the gradients (which any training step holds) and one
+[chunk, V] block (the gradient overwrites the logits). The chunks' gradients
+are those of the summed loss; the mean's 1 / n_valid (valid rows of the whole
+batch, not of a chunk) and a backward's grad_output scale the finished
+gradients once at the end, a pass over [N, H] and [V, H] against the GEMMs' 6
+N H V flops. Gradients of fp16 / bf16 inputs accumulate over chunks in fp32
+(grad_weight sums N / chunk rounded GEMM outputs otherwise). This module runs
+numpy input on numpy's BLAS; tensor_ops.torch.fused_linear_cross_entropy runs
+the same loop on torch's GEMMs.
 """
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def chunked(fw, hidden, weight, target, bias, ignore_index: int, chunk_size: int
         if not grads:
             losses[s:e] = cross_entropy(logits, target[s:e], ignore_index, "none", **options)
             continue
-        rows, dl = cross_entropy_with_grad(logits, target[s:e], ignore_index, "none", **options)
+        # the gradient overwrites the chunk's logits (inplace): one [chunk, V] block on the peak, not two
+        rows, dl = cross_entropy_with_grad(logits, target[s:e], ignore_index, "none", inplace=True, **options)
         losses[s:e] = rows
         if dloss_rows is not None:
             dl *= fw.cast(dloss_rows[s:e, None], dl.dtype)
