@@ -87,6 +87,7 @@ struct TorchTypes {
   PyObject* i32 = nullptr;
   PyObject* i64 = nullptr;
   PyObject* strided = nullptr;
+  PyObject* parameter = nullptr;  // torch.nn.Parameter, or nullptr
 };
 
 // Note [lazy torch state]
@@ -122,14 +123,91 @@ const TorchTypes* torch_types() {
   types.i32 = nb::object(t.attr("int32")).release().ptr();
   types.i64 = nb::object(t.attr("int64")).release().ptr();
   types.strided = nb::object(t.attr("strided")).release().ptr();
+  PyObject* nn = PyDict_GetItemString(modules, "torch.nn.parameter");
+  if (nn) {
+    PyObject* p = PyObject_GetAttrString(nn, "Parameter");  // kept for the process
+    if (!p) PyErr_Clear();
+    types.parameter = p;
+  }
   types.tensor = nb::object(t.attr("Tensor")).release().ptr();
   return &types;
+}
+
+// Note [DLPack exchange API]
+// torch (2.10 on) publishes DLPack's C exchange table on its tensor type,
+// `__dlpack_c_exchange_api__` (a capsule named "dlpack_exchange_api"; the
+// layout is the DLPack 1.x specification's DLPackExchangeAPI, declared here
+// from the specification). Its dltensor_from_py_object_no_sync fills a
+// non-owning DLTensor from the tensor in one C call, in place of five Python
+// attribute calls (is_cpu, dtype, shape, stride(), data_ptr()). It does not
+// look at torch's lazy state (the negative bit is ignored, a sparse tensor
+// crashes it), so refuse_lazy_torch_state runs first; and it is used only on
+// exactly torch.Tensor and nn.Parameter, whose data is real (a subclass such
+// as FakeTensor takes the attribute path).
+struct ExchangeApi {
+  uint32_t major, minor;  // DLPackVersion
+  void* prev_api;
+  void* managed_tensor_allocator;
+  void* managed_tensor_from_py_object_no_sync;
+  void* managed_tensor_to_py_object_no_sync;
+  int (*dltensor_from_py_object_no_sync)(void* py_object, nb::dlpack::dltensor* out);
+  void* current_work_stream;
+};
+
+const ExchangeApi* exchange_api(PyObject* tensor_type) {
+  static const ExchangeApi* api = [&]() -> const ExchangeApi* {
+    PyObject* cap = PyObject_GetAttrString(tensor_type, "__dlpack_c_exchange_api__");
+    if (!cap) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    auto* a = static_cast<const ExchangeApi*>(PyCapsule_GetPointer(cap, "dlpack_exchange_api"));
+    if (!a) PyErr_Clear();
+    // The capsule stays referenced: the table must outlive every use.
+    return a && a->major == 1 && a->dltensor_from_py_object_no_sync ? a : nullptr;
+  }();
+  return api;
+}
+
+bool read_exchange(nb::handle h, const ExchangeApi* api, Tensor& out, bool& cpu) {
+  nb::dlpack::dltensor dl;
+  if (api->dltensor_from_py_object_no_sync(h.ptr(), &dl) != 0) {
+    PyErr_Clear();
+    return false;  // the attribute path decides
+  }
+  cpu = dl.device.device_type == nb::device::cpu::value;
+  if (!cpu) return true;
+  DType d;
+  const uint8_t code = dl.dtype.code;
+  if (dl.dtype.lanes != 1) return cpu = false, true;
+  if (code == uint8_t(nb::dlpack::dtype_code::Float) && dl.dtype.bits == 32) d = DType::Float32;
+  else if (code == uint8_t(nb::dlpack::dtype_code::Float) && dl.dtype.bits == 16) d = DType::Float16;
+  else if (code == uint8_t(nb::dlpack::dtype_code::Bfloat) && dl.dtype.bits == 16) d = DType::BFloat16;
+  else if (code == uint8_t(nb::dlpack::dtype_code::Int) && dl.dtype.bits == 32) d = DType::Int32;
+  else if (code == uint8_t(nb::dlpack::dtype_code::Int) && dl.dtype.bits == 64) d = DType::Int64;
+  else return cpu = false, true;
+  std::vector<int64_t> sh(dl.shape, dl.shape + dl.ndim), st(size_t(dl.ndim));
+  if (dl.strides) {
+    st.assign(dl.strides, dl.strides + dl.ndim);
+  } else {
+    int64_t s = 1;
+    for (int i = dl.ndim - 1; i >= 0; --i) st[size_t(i)] = s, s *= sh[size_t(i)];
+  }
+  out = Tensor(static_cast<char*>(dl.data) + dl.byte_offset, d, std::move(sh), std::move(st), Device{"host", 0});
+  return true;
 }
 
 bool torch_cpu_tensor(nb::handle h, Tensor& out) {
   const TorchTypes* tt = torch_types();
   if (!tt || !PyObject_TypeCheck(h.ptr(), reinterpret_cast<PyTypeObject*>(tt->tensor))) return false;
   refuse_lazy_torch_state(h, tt->strided);
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(h.ptr()));
+  if (type == tt->tensor || type == tt->parameter) {
+    if (const ExchangeApi* api = exchange_api(tt->tensor)) {
+      bool cpu = false;
+      if (read_exchange(h, api, out, cpu)) return cpu;
+    }
+  }
   if (!nb::cast<bool>(h.attr("is_cpu"))) return false;
   nb::object dt = h.attr("dtype");
   DType d;
