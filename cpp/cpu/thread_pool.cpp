@@ -96,7 +96,8 @@ void ThreadPool::after_fork_in_child() {
   // variables; destroying them would wait for those waiters forever.
   new (&p->start_cv_) std::condition_variable();
   new (&p->done_cv_) std::condition_variable();
-  p->pending_ = 0;
+  p->open_ = false;
+  p->active_ = 0;
   p->stop_ = false;
   p->fn_ = nullptr;
   p->workers_started_ = false;
@@ -158,12 +159,14 @@ void ThreadPool::worker(int, uint64_t seen) {
     start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
     if (stop_) return;
     seen = generation_;
+    if (!open_) continue;  // woke after its caller finished (Note [late workers])
+    ++active_;
     const auto* fn = fn_;
     const int64_t n = n_, chunks = chunks_;
     lock.unlock();
     run_chunks(*fn, n, chunks);
     lock.lock();
-    if (--pending_ == 0) done_cv_.notify_one();
+    if (--active_ == 0 && !open_) done_cv_.notify_one();
   }
 }
 
@@ -185,13 +188,15 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     n_ = n;
     chunks_ = chunks;
     next_.store(0, std::memory_order_relaxed);
-    pending_ = int(workers_.size());
+    open_ = true;
+    active_ = 0;
     ++generation_;
   }
   start_cv_.notify_all();
-  run_chunks(fn, n, chunks);
+  run_chunks(fn, n, chunks);  // returns once every chunk is taken
   std::unique_lock<std::mutex> lock(m_);
-  done_cv_.wait(lock, [&] { return pending_ == 0; });
+  open_ = false;
+  done_cv_.wait(lock, [&] { return active_ == 0; });
 }
 
 }  // namespace tensor_ops::cpu

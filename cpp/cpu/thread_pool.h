@@ -51,7 +51,14 @@ class ThreadPool {
   std::mutex m_;
   std::condition_variable start_cv_, done_cv_;
   uint64_t generation_ = 0;
-  int pending_ = 0;
+  // Note [late workers]: a region is open while its caller still runs
+  // chunks; a worker joins it (active_ + 1) only while it is open. The caller
+  // then closes it and waits for the workers that joined, never for one that
+  // has not woken yet: a worker descheduled by another runtime's spinning
+  // threads (torch's OpenMP pool on the same cores) costs no wait; it finds
+  // the region closed when it runs and goes back to sleep.
+  bool open_ = false;
+  int active_ = 0;
   int64_t n_ = 0, chunks_ = 0;
   std::atomic<int64_t> next_{0};  // the next chunk to hand out
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;

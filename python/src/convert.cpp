@@ -97,6 +97,65 @@ struct TorchTypes {
 // is would give a silently wrong answer. The bits raise LayoutError, which the
 // op layer answers by resolving them (a copy) before the call; the layouts
 // raise UnsupportedError.
+// The four reads go through torch's own descriptors, cached, for exactly
+// torch.Tensor and nn.Parameter (no attribute lookup: ~4x cheaper); any other
+// subclass may override them and is asked by name.
+struct LazyStateReaders {
+  PyObject* layout = nullptr;     // getset descriptors of torch._C.TensorBase
+  PyObject* is_nested = nullptr;
+  PyObject* is_neg = nullptr;     // method descriptors
+  PyObject* is_conj = nullptr;
+};
+
+const LazyStateReaders* lazy_state_readers() {
+  static const LazyStateReaders readers = [] {
+    LazyStateReaders r;
+    PyObject* c = PyDict_GetItemString(PyImport_GetModuleDict(), "torch._C");
+    PyObject* base = c ? PyObject_GetAttrString(c, "TensorBase") : nullptr;  // kept for the process
+    PyObject* dict = base ? PyObject_GetAttrString(base, "__dict__") : nullptr;
+    if (dict) {
+      r.layout = PyMapping_GetItemString(dict, "layout");
+      r.is_nested = PyMapping_GetItemString(dict, "is_nested");
+      r.is_neg = PyMapping_GetItemString(dict, "is_neg");
+      r.is_conj = PyMapping_GetItemString(dict, "is_conj");
+    }
+    PyErr_Clear();
+    const bool ok = r.layout && Py_TYPE(r.layout)->tp_descr_get && r.is_nested && Py_TYPE(r.is_nested)->tp_descr_get &&
+                    r.is_neg && r.is_conj;
+    return ok ? r : LazyStateReaders{};
+  }();
+  return readers.layout ? &readers : nullptr;
+}
+
+nb::object read_getset(PyObject* descr, nb::handle h) {
+  PyObject* v = Py_TYPE(descr)->tp_descr_get(descr, h.ptr(), reinterpret_cast<PyObject*>(Py_TYPE(h.ptr())));
+  if (!v) throw nb::python_error();
+  return nb::steal(v);
+}
+
+bool call_flag(PyObject* method, nb::handle h) {
+  PyObject* v = PyObject_CallOneArg(method, h.ptr());
+  if (!v) throw nb::python_error();
+  const bool set = v == Py_True;
+  Py_DECREF(v);
+  return set;
+}
+
+bool refuse_lazy_torch_state_fast(nb::handle h, PyObject* strided) {
+  const LazyStateReaders* r = lazy_state_readers();
+  if (!r) return false;
+  nb::object layout = read_getset(r->layout, h);
+  if (layout.ptr() != strided)
+    throw Unsupported("torch tensors with layout " + std::string(nb::str(layout).c_str()) +
+                      " are not supported; pass a dense tensor (x.to_dense())");
+  if (read_getset(r->is_nested, h).ptr() == Py_True)
+    throw Unsupported("nested torch tensors are not supported; pass a dense tensor (x.to_padded_tensor(0.0))");
+  if (call_flag(r->is_neg, h) || call_flag(r->is_conj, h))
+    throw LayoutError("a torch tensor with the negative or conjugate bit set (a lazy view) must be resolved "
+                      "first (x.resolve_neg().resolve_conj())");
+  return true;
+}
+
 void refuse_lazy_torch_state(nb::handle h, PyObject* strided) {
   nb::object layout = h.attr("layout");
   if (layout.ptr() != strided)
@@ -144,12 +203,21 @@ const TorchTypes* torch_types() {
 // crashes it), so refuse_lazy_torch_state runs first; and it is used only on
 // exactly torch.Tensor and nn.Parameter, whose data is real (a subclass such
 // as FakeTensor takes the attribute path).
+struct ManagedVersioned {  // DLManagedTensorVersioned
+  uint32_t major, minor;
+  void* manager_ctx;
+  void (*deleter)(ManagedVersioned* self);
+  uint64_t flags;
+  nb::dlpack::dltensor dl_tensor;
+};
+
 struct ExchangeApi {
   uint32_t major, minor;  // DLPackVersion
   void* prev_api;
-  void* managed_tensor_allocator;
+  int (*managed_tensor_allocator)(nb::dlpack::dltensor* prototype, ManagedVersioned** out, void* error_ctx,
+                                  void (*set_error)(void* error_ctx, const char* kind, const char* message));
   void* managed_tensor_from_py_object_no_sync;
-  void* managed_tensor_to_py_object_no_sync;
+  int (*managed_tensor_to_py_object_no_sync)(ManagedVersioned* tensor, void** out_py_object);
   int (*dltensor_from_py_object_no_sync)(void* py_object, nb::dlpack::dltensor* out);
   void* current_work_stream;
 };
@@ -164,7 +232,10 @@ const ExchangeApi* exchange_api(PyObject* tensor_type) {
     auto* a = static_cast<const ExchangeApi*>(PyCapsule_GetPointer(cap, "dlpack_exchange_api"));
     if (!a) PyErr_Clear();
     // The capsule stays referenced: the table must outlive every use.
-    return a && a->major == 1 && a->dltensor_from_py_object_no_sync ? a : nullptr;
+    return a && a->major == 1 && a->dltensor_from_py_object_no_sync && a->managed_tensor_allocator &&
+                   a->managed_tensor_to_py_object_no_sync
+               ? a
+               : nullptr;
   }();
   return api;
 }
@@ -200,9 +271,10 @@ bool read_exchange(nb::handle h, const ExchangeApi* api, Tensor& out, bool& cpu)
 bool torch_cpu_tensor(nb::handle h, Tensor& out) {
   const TorchTypes* tt = torch_types();
   if (!tt || !PyObject_TypeCheck(h.ptr(), reinterpret_cast<PyTypeObject*>(tt->tensor))) return false;
-  refuse_lazy_torch_state(h, tt->strided);
   PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(h.ptr()));
-  if (type == tt->tensor || type == tt->parameter) {
+  const bool exact = type == tt->tensor || type == tt->parameter;
+  if (!exact || !refuse_lazy_torch_state_fast(h, tt->strided)) refuse_lazy_torch_state(h, tt->strided);
+  if (exact) {
     if (const ExchangeApi* api = exchange_api(tt->tensor)) {
       bool cpu = false;
       if (read_exchange(h, api, out, cpu)) return cpu;
@@ -271,7 +343,54 @@ bool numpy_array(nb::handle h, Tensor& out, bool as_bfloat16) {
   return true;
 }
 
+void set_alloc_error(void*, const char* kind, const char* message) {
+  PyErr_Format(PyExc_MemoryError, "%s: %s", kind ? kind : "allocation failed", message ? message : "");
+}
+
+// Outputs at or above this size come from the core's pool in the Python
+// layer (_arrays.POOL_OUTPUT_BYTES: fewer page faults than torch's allocator).
+constexpr int64_t kPoolOutputBytes = int64_t(32) << 20;
+
 }  // namespace
+
+// Note [outputs made in C++]
+// An op called with torch tensors and no out= needs a new tensor per output:
+// torch.empty_like from Python costs about as much as a small kernel. Made
+// here through the exchange API's allocator (torch's own allocator, a plain
+// row-major tensor), it costs one C call. Anything else (numpy, other
+// frameworks, large outputs, torch without the exchange API) is refused with
+// LayoutError, which the Python layer answers by allocating the output itself.
+Tensor output(nb::handle out, nb::handle like, const Tensor& tlike, const char* arg, bool as_bfloat16,
+              nb::object& made) {
+  if (!out.is_none()) return to_tensor(out, arg, as_bfloat16);
+  const TorchTypes* tt = torch_types();
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(like.ptr()));
+  const ExchangeApi* api = tt && (type == tt->tensor || type == tt->parameter) ? exchange_api(tt->tensor) : nullptr;
+  if (!api || !tlike.device().is_host() || tlike.nbytes() >= kPoolOutputBytes)
+    throw LayoutError(std::string(arg) + ": no output given, and none is made here for this input");
+  std::vector<int64_t> shape = tlike.shape();
+  nb::dlpack::dltensor proto;
+  proto.device = {int32_t(nb::device::cpu::value), 0};
+  proto.ndim = int32_t(shape.size());
+  proto.dtype = dl_dtype(tlike.dtype());
+  proto.shape = shape.data();
+  ManagedVersioned* mt = nullptr;
+  if (api->managed_tensor_allocator(&proto, &mt, nullptr, set_alloc_error) != 0 || !mt) throw nb::python_error();
+  nb::dlpack::dltensor& dl = mt->dl_tensor;
+  std::vector<int64_t> st(size_t(dl.ndim));
+  if (dl.strides) {
+    st.assign(dl.strides, dl.strides + dl.ndim);
+  } else {
+    int64_t s = 1;
+    for (int i = dl.ndim - 1; i >= 0; --i) st[size_t(i)] = s, s *= shape[size_t(i)];
+  }
+  Tensor t(static_cast<char*>(dl.data) + dl.byte_offset, tlike.dtype(), std::move(shape), std::move(st),
+           Device{"host", 0});
+  void* py = nullptr;
+  if (api->managed_tensor_to_py_object_no_sync(mt, &py) != 0 || !py) throw nb::python_error();  // mt is torch's now
+  made = nb::steal(static_cast<PyObject*>(py));
+  return t;
+}
 
 Tensor to_tensor(nb::handle h, const char* arg, bool as_bfloat16) {
   if (nb::isinstance<Tensor>(h)) return nb::cast<const Tensor&>(h);

@@ -16,6 +16,12 @@ Tensor to_tensor(nanobind::handle h, const char* arg, bool as_bfloat16 = false);
 // no name for (a backend other than host, cuda, hip, opencl, sycl) raises
 // BufferError, the spec's answer to "cannot export".
 nanobind::dlpack::dtype dl_dtype(DType t);
+
+// out as a Tensor; or, out being None, a new torch tensor like `like` (a
+// plain CPU torch tensor) returned in `made` (Note [outputs made in C++]);
+// LayoutError when none can be made here.
+Tensor output(nanobind::handle out, nanobind::handle like, const Tensor& tlike, const char* arg, bool as_bfloat16,
+              nanobind::object& made);
 int32_t dl_device_type(const Device& d);
 
 // Tensor.__dlpack__: a "dltensor" capsule whose data stays alive (the

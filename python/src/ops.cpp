@@ -45,43 +45,67 @@ class ReleaseIfBig {
   PyThreadState* state_ = nullptr;
 };
 
+// What a binding returns: the output it made (Note [outputs made in C++]), or None.
+nb::object made_or_none(nb::object made) { return made.is_valid() ? made : nb::none(); }
+
 }  // namespace
 
 void init_ops(nb::module_& m) {
   m.def(
       "rms_norm",
       [](const Array& x, const Array& weight, const Array& out, double eps, bool bf16) {
-        Tensor tx = to_tensor(x, "x", bf16), tw = to_tensor(weight, "weight", bf16), to = to_tensor(out, "out", bf16);
-        ReleaseIfBig release(tx);
-        rms_norm(tx, tw, to, eps);
+        Tensor tx = to_tensor(x, "x", bf16), tw = to_tensor(weight, "weight", bf16);
+        nb::object made;
+        Tensor to = output(out, x, tx, "out", bf16, made);
+        {
+          ReleaseIfBig release(tx);
+          rms_norm(tx, tw, to, eps);
+        }
+        return made_or_none(made);
       },
-      nb::arg("x"), nb::arg("weight"), nb::arg("out"), nb::arg("eps"), nb::arg("bf16") = false,
+      nb::arg("x"), nb::arg("weight"), nb::arg("out").none(), nb::arg("eps"), nb::arg("bf16") = false,
       "rms_norm over the last dimension into out (validated by the core).");
   m.def(
       "silu",
       [](const Array& x, const Array& out, bool bf16) {
-        Tensor tx = to_tensor(x, "x", bf16), to = to_tensor(out, "out", bf16);
-        ReleaseIfBig release(tx);
-        silu(tx, to);
+        Tensor tx = to_tensor(x, "x", bf16);
+        nb::object made;
+        Tensor to = output(out, x, tx, "out", bf16, made);
+        {
+          ReleaseIfBig release(tx);
+          silu(tx, to);
+        }
+        return made_or_none(made);
       },
-      nb::arg("x"), nb::arg("out"), nb::arg("bf16") = false);
+      nb::arg("x"), nb::arg("out").none(), nb::arg("bf16") = false);
   m.def(
       "gelu",
       [](const Array& x, const Array& out, const std::string& approximate, bool bf16) {
-        Tensor tx = to_tensor(x, "x", bf16), to = to_tensor(out, "out", bf16);
-        ReleaseIfBig release(tx);
-        gelu(tx, to, approximate);
+        Tensor tx = to_tensor(x, "x", bf16);
+        nb::object made;
+        Tensor to = output(out, x, tx, "out", bf16, made);
+        {
+          ReleaseIfBig release(tx);
+          gelu(tx, to, approximate);
+        }
+        return made_or_none(made);
       },
-      nb::arg("x"), nb::arg("out"), nb::arg("approximate"), nb::arg("bf16") = false);
+      nb::arg("x"), nb::arg("out").none(), nb::arg("approximate"), nb::arg("bf16") = false);
   m.def(
       "layer_norm",
       [](Array x, Array w, Array b, Array out, double eps, bool bf16) {
-        Tensor tx = to_tensor(x, "x", bf16), tw = to_tensor(w, "weight", bf16), to = to_tensor(out, "out", bf16);
+        Tensor tx = to_tensor(x, "x", bf16), tw = to_tensor(w, "weight", bf16);
         Opt tb(b, "bias", bf16);
-        ReleaseIfBig release(tx);
-        layer_norm(tx, tw, tb.get(), to, eps);
+        nb::object made;
+        Tensor to = output(out, x, tx, "out", bf16, made);
+        {
+          ReleaseIfBig release(tx);
+          layer_norm(tx, tw, tb.get(), to, eps);
+        }
+        return made_or_none(made);
       },
-      nb::arg("x"), nb::arg("weight"), nb::arg("bias").none(), nb::arg("out"), nb::arg("eps"), nb::arg("bf16") = false);
+      nb::arg("x"), nb::arg("weight"), nb::arg("bias").none(), nb::arg("out").none(), nb::arg("eps"),
+      nb::arg("bf16") = false);
   m.def(
       "rms_norm_backward",
       [](Array dy, Array x, Array w, Array dx, Array dw, double eps, bool bf16) {
@@ -106,21 +130,31 @@ void init_ops(nb::module_& m) {
   m.def(
       "add_rms_norm",
       [](Array x, Array r, Array w, Array out, Array rout, double eps, bool bf16) {
-        Tensor a = to_tensor(x, "x", bf16), b = to_tensor(r, "residual", bf16), c = to_tensor(w, "weight", bf16),
-               d = to_tensor(out, "out", bf16), e = to_tensor(rout, "residual_out", bf16);
-        ReleaseIfBig release(a);
-        add_rms_norm(a, b, c, d, e, eps);
+        Tensor a = to_tensor(x, "x", bf16), b = to_tensor(r, "residual", bf16), c = to_tensor(w, "weight", bf16);
+        nb::object made, made_r;
+        Tensor d = output(out, x, a, "out", bf16, made), e = output(rout, x, a, "residual_out", bf16, made_r);
+        {
+          ReleaseIfBig release(a);
+          add_rms_norm(a, b, c, d, e, eps);
+        }
+        return made.is_valid() ? nb::object(nb::make_tuple(made, made_r)) : nb::object(nb::none());
       },
-      nb::arg("x"), nb::arg("residual"), nb::arg("weight"), nb::arg("out"), nb::arg("residual_out"), nb::arg("eps"),
+      nb::arg("x"), nb::arg("residual"), nb::arg("weight"), nb::arg("out").none(), nb::arg("residual_out").none(),
+      nb::arg("eps"),
       nb::arg("bf16") = false);
   m.def(
       "softmax",
       [](Array x, Array out, double scale, int causal, bool log, bool bf16) {
-        Tensor a = to_tensor(x, "x", bf16), b = to_tensor(out, "out", bf16);
-        ReleaseIfBig release(a);
-        softmax(a, b, scale, causal, log);
+        Tensor a = to_tensor(x, "x", bf16);
+        nb::object made;
+        Tensor b = output(out, x, a, "out", bf16, made);
+        {
+          ReleaseIfBig release(a);
+          softmax(a, b, scale, causal, log);
+        }
+        return made_or_none(made);
       },
-      nb::arg("x"), nb::arg("out"), nb::arg("scale"), nb::arg("causal"), nb::arg("log"), nb::arg("bf16") = false);
+      nb::arg("x"), nb::arg("out").none(), nb::arg("scale"), nb::arg("causal"), nb::arg("log"), nb::arg("bf16") = false);
   m.def(
       "softmax_backward",
       [](Array dy, Array y, Array dx, double scale, bool log, bool bf16) {
@@ -142,12 +176,17 @@ void init_ops(nb::module_& m) {
   m.def(
       "glu",
       [](Array g, Array u, Array out, const std::string& act, const std::string& approx, bool bf16) {
-        Tensor a = to_tensor(g, "gate", bf16), b = to_tensor(u, "up", bf16), c = to_tensor(out, "out", bf16);
+        Tensor a = to_tensor(g, "gate", bf16), b = to_tensor(u, "up", bf16);
         Activation ac = activation_from_name(act, approx);
-        ReleaseIfBig release(a);
-        glu(a, b, c, ac);
+        nb::object made;
+        Tensor c = output(out, g, a, "out", bf16, made);
+        {
+          ReleaseIfBig release(a);
+          glu(a, b, c, ac);
+        }
+        return made_or_none(made);
       },
-      nb::arg("gate"), nb::arg("up"), nb::arg("out"), nb::arg("activation"), nb::arg("approximate"),
+      nb::arg("gate"), nb::arg("up"), nb::arg("out").none(), nb::arg("activation"), nb::arg("approximate"),
       nb::arg("bf16") = false);
   m.def(
       "glu_backward",

@@ -58,7 +58,7 @@ from .errors import LayoutError as _LayoutError
 
 from ._arrays import _FAST_NP
 from ._arrays import POOL_OUTPUT_BYTES as _POOL_BYTES
-from ._arrays import fast_out as _fast_out
+from ._arrays import fast_call as _fast_call
 
 _ndarray = _np.ndarray
 _np_empty = _np.empty
@@ -75,13 +75,9 @@ def _unary(fn, x, out, *extra):
         except _LayoutError:
             pass
     elif out is None:
-        fast = _fast_out(x)
+        fast = _fast_call(fn, x, (), 1, *extra)
         if fast is not None:
-            try:
-                fn(x, fast, *extra)
-                return fast
-            except _LayoutError:
-                pass
+            return fast
     a = Arg(x, "x")
     if out is None:
         out = empty_like(a)
@@ -91,14 +87,17 @@ def _unary(fn, x, out, *extra):
 def rms_norm(x, weight, eps: float = 1e-6, *, out=None):
     """x / sqrt(mean(x**2, last dim) + eps) * weight, accumulated in fp32."""
     if out is None and type(eps) is float:
-        small = type(x) is _ndarray and x.dtype in _FAST_NP and x.nbytes < _POOL_BYTES
-        fast = _np_empty(x.shape, x.dtype) if small else _fast_out(x)
-        if fast is not None and type(weight) is type(x):
+        if type(x) is _ndarray and x.dtype in _FAST_NP and x.nbytes < _POOL_BYTES and type(weight) is _ndarray:
+            fast = _np_empty(x.shape, x.dtype)
             try:
                 _C.rms_norm(x, weight, fast, eps)
                 return fast
             except _LayoutError:
                 pass
+        else:
+            fast = _fast_call(_C.rms_norm, x, (weight,), 1, eps)
+            if fast is not None:
+                return fast
     a, w = Arg(x, "x"), Arg(weight, "weight")
     eps = _checks.real("eps", eps, nonneg=True)
     if out is None:
@@ -123,6 +122,7 @@ from . import _xla_route as _route
 for _name in _route.OPS:
     globals()[_name] = _route.routed(_name, globals()[_name])
 del _name
+_route.note_torch()
 
 __all__ = _ops_all + [
     "Tensor",

@@ -376,11 +376,41 @@ def fast_out(x):
     return None
 
 
+_NONES = {1: (None,), 2: (None, None)}
+# torch.Tensor and nn.Parameter once torch is imported (filled by
+# note_torch(): torch may be imported after tensor_ops).
+TORCH_TYPES = set()
+
+
+def note_torch() -> None:
+    """Record torch's plain tensor types (tensor_ops.torch and the op
+    routing call this; a no-op until torch is imported)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and not TORCH_TYPES:
+        TORCH_TYPES.update((torch.Tensor, torch.nn.Parameter))
+
+
 def fast_call(fn, x, peers, n_out, *extra):
     """fn(x, *peers, *outputs, *extra) on the fast path: x qualifies for
     fast_out and every peer array is of x's type and dtype (and needs no
     grad). Returns the output (a tuple for n_out > 1), or None to take the
-    general path."""
+    general path. A plain torch tensor first asks the binding to make its
+    outputs (None for each; Note [outputs made in C++] in convert.cpp): one C
+    call instead of a torch.empty_like per output."""
+    t = type(x)
+    if t in TORCH_TYPES and not x.requires_grad:
+        dt = x.dtype
+        for p in peers:
+            if p is not None and (type(p) is not t or p.dtype != dt or p.requires_grad):
+                return None
+        try:
+            made = fn(x, *peers, *_NONES[n_out], *extra)
+            if made is not None:
+                return made
+        except LayoutError:
+            pass  # a lazy view, a large output, no exchange API: the path below
+        except UnsupportedError:
+            return None  # the general path words the refusal (shapes, dtypes)
     o = fast_out(x)
     if o is None:
         return None

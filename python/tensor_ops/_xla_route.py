@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 
+from ._arrays import TORCH_TYPES, note_torch
 from ._xla_kernels import _jax
 from . import _C
 from .errors import DTypeError, ExternalBackendSelected, InvalidArgumentError
@@ -28,6 +29,9 @@ host_selected = _C.external_selected
 
 
 _PLAIN = {np.ndarray, float, int, bool, str, type(None)}  # never XLA arrays: skipped at no cost
+# Host tensors of torch's plain types (_arrays.TORCH_TYPES, not is_xla) go
+# straight to the native op, without the general path's per-argument XLA check.
+_TORCH = TORCH_TYPES
 
 
 def _is_host(a) -> bool:
@@ -113,6 +117,8 @@ def routed(name: str, native):
     plain = _PLAIN
 
     def general(args, kwargs):
+        if not _TORCH:
+            note_torch()
         values = args + tuple(kwargs.values()) if kwargs else args
         for a in values:
             if type(a) not in plain and is_xla_array(a):
@@ -140,7 +146,7 @@ def _with_signature(native, general, selected):
     (torch / jax / XLA) goes through `general`. Arguments whose default is a
     plain number, bool or string are options, not arrays: not checked."""
     sig = inspect.signature(native)
-    params, pos, kw, checks, defaults = [], [], [], [], {}
+    params, pos, kw, checks, torch_lane, defaults = [], [], [], [], [], {}
     star = False
     for p in sig.parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):  # not expected: keep the generic form
@@ -159,12 +165,14 @@ def _with_signature(native, general, selected):
         params.append(text)
         if p.default is p.empty or p.default is None:
             checks.append(f"type({p.name}) not in plain")
+            torch_lane.append(f"(type({p.name}) in plain or (type({p.name}) in torch_types and not {p.name}.is_xla))")
     args = f"({', '.join(pos)}{',' if len(pos) == 1 else ''}), {{{', '.join(repr(n) + ': ' + n for n in kw)}}}"
     call = ", ".join(pos + [f"{n}={n}" for n in kw])
-    factory = ", ".join(["native", "general", "selected", "plain", "ExternalBackendSelected"] + list(defaults))
+    factory = ", ".join(["native", "general", "selected", "plain", "torch_types", "ExternalBackendSelected"] +
+                        list(defaults))
     src = (f"def _make({factory}):\n"
            f"  def op({', '.join(params)}):\n"
-           f"    if {' or '.join(checks) or 'False'}:\n"
+           f"    if ({' or '.join(checks) or 'False'}) and not ({' and '.join(torch_lane) or 'False'}):\n"
            f"      return general({args})\n"
            f"    try:\n"
            f"      return native({call})\n"
@@ -173,5 +181,5 @@ def _with_signature(native, general, selected):
            f"  return op\n")
     scope = {}
     exec(compile(src, f"<tensor_ops routed {native.__name__}>", "exec"), {}, scope)  # noqa: S102
-    op = scope["_make"](native, general, selected, _PLAIN, ExternalBackendSelected, **defaults)
+    op = scope["_make"](native, general, selected, _PLAIN, _TORCH, ExternalBackendSelected, **defaults)
     return functools.wraps(native)(op)

@@ -38,7 +38,7 @@ def layer_norm(x, weight, bias=None, eps: float = 1e-5, *, out=None):
 
 
 def _layer_norm_no_bias(x, weight, out, eps):
-    _C.layer_norm(x, weight, None, out, eps)
+    return _C.layer_norm(x, weight, None, out, eps)
 
 
 def add_rms_norm(x, residual, weight, eps: float = 1e-6):

@@ -31,6 +31,9 @@ from typing import Optional, Tuple
 import torch
 
 import tensor_ops as _to
+from tensor_ops._arrays import note_torch
+
+note_torch()  # torch tensors take the routing's fast lane (torch may be imported after tensor_ops)
 
 Tensor = torch.Tensor
 
