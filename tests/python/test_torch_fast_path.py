@@ -1,0 +1,91 @@
+"""The small-call path from torch (issue 21): outputs made in C++ through the
+DLPack exchange API, torch tensors read through it, and the functional layer
+taking autograd only when a gradient is recorded."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import tensor_ops  # noqa: E402
+from tensor_ops import _C  # noqa: E402
+from tensor_ops.errors import LayoutError  # noqa: E402
+from tensor_ops.torch import functional as TF  # noqa: E402
+
+HAS_EXCHANGE = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@pytest.mark.skipif(not HAS_EXCHANGE, reason="this torch has no __dlpack_c_exchange_api__")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(0, 8), (1, 1), (3, 17), (2, 5, 33)])
+def test_binding_makes_torch_outputs(dtype, shape):
+    x = torch.randn(*shape).to(dtype)
+    w = torch.rand(shape[-1]).to(dtype) + 0.5
+    y = _C.silu(x, None)
+    assert type(y) is torch.Tensor and y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
+    torch.testing.assert_close(y.float(), F.silu(x.float()).to(dtype).float(), rtol=2e-2, atol=2e-2)
+    y = _C.rms_norm(x, w, None, 1e-6)
+    torch.testing.assert_close(y.float(), F.rms_norm(x.float(), (shape[-1],), w.float(), 1e-6), rtol=2e-2, atol=2e-2)
+    out, res = _C.add_rms_norm(x, x, w, None, None, 1e-6)
+    assert out.data_ptr() != res.data_ptr() or x.numel() == 0
+    torch.testing.assert_close(res.float(), (x + x).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_binding_writes_given_output_and_returns_none():
+    x = torch.randn(4, 8)
+    o = torch.empty_like(x)
+    assert _C.silu(x, o) is None
+    torch.testing.assert_close(o, F.silu(x))
+
+
+def test_binding_refuses_to_make_numpy_outputs():
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(LayoutError):
+        _C.silu(x, None)
+
+
+@pytest.mark.skipif(not HAS_EXCHANGE, reason="this torch has no __dlpack_c_exchange_api__")
+def test_views_read_at_their_offset_and_strides():
+    base = torch.randn(6, 40)
+    for x in (base[2:, 3:], base.t(), base[:, ::2], base[1]):
+        torch.testing.assert_close(tensor_ops.silu(x), F.silu(x))
+        torch.testing.assert_close(TF.softmax(x), torch.softmax(x, -1))
+
+
+def test_lazy_negative_view_and_parameters():
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(tensor_ops.silu(torch._neg_view(x)), F.silu(-x))
+    p = torch.nn.Parameter(torch.rand(16) + 0.5)
+    torch.testing.assert_close(tensor_ops.rms_norm(x, p.detach()), F.rms_norm(x, (16,), p.detach(), 1e-6))
+    with torch.no_grad():
+        torch.testing.assert_close(TF.rms_norm(x, p, 1e-6), F.rms_norm(x, (16,), p, 1e-6))
+
+
+def test_sparse_and_nested_still_refused_with_shapes():
+    x = torch.randn(3, 8)
+    with pytest.raises(tensor_ops.UnsupportedError, match=r"\(3, 8\)"):
+        tensor_ops.silu(x.to_sparse())
+
+
+def test_functional_records_autograd_only_when_needed():
+    x = torch.randn(4, 32)
+    w = torch.rand(32) + 0.5
+    y = TF.rms_norm(x, w, 1e-6)
+    assert y.grad_fn is None and not y.requires_grad
+    wg = w.clone().requires_grad_()
+    y = TF.rms_norm(x, wg, 1e-6)
+    assert y.requires_grad and y.grad_fn is not None
+    y.sum().backward()
+    ref = w.clone().requires_grad_()
+    F.rms_norm(x, (32,), ref, 1e-6).sum().backward()
+    torch.testing.assert_close(wg.grad, ref.grad, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        assert TF.silu(x.requires_grad_()).grad_fn is None
+
+
+def test_large_outputs_still_come_from_the_pool_path():
+    # 32 MiB and up: the binding refuses to make it (LayoutError) and the
+    # Python layer allocates; the answer is the same.
+    x = torch.randn(2048, 4097)
+    torch.testing.assert_close(tensor_ops.silu(x), F.silu(x))
