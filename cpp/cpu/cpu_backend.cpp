@@ -108,12 +108,26 @@ void stream_fence() {
 
 // Outputs past half the last-level cache are written with streaming stores.
 bool streaming(int64_t out_bytes) {
-  static const int64_t threshold = [] {
-    const char* env = std::getenv("TENSOR_OPS_STREAM_BYTES");
-    return env ? std::atoll(env) : int64_t(16) << 20;
-  }();
+  const int64_t threshold = stream_threshold_bytes();
   return threshold > 0 && out_bytes >= threshold;
 }
+
+}  // namespace
+
+int64_t stream_threshold_bytes() {
+  static const int64_t threshold = [] {
+    const int64_t fallback = int64_t(16) << 20;
+    const char* env = std::getenv("TENSOR_OPS_STREAM_BYTES");
+    if (!env || !*env) return fallback;
+    long v = 0;
+    if (parse_long(env, &v)) return int64_t(v);  // 0 or less: never stream
+    add_env_warning("TENSOR_OPS_STREAM_BYTES", env, "is not a whole number of bytes", std::to_string(fallback));
+    return fallback;
+  }();
+  return threshold;
+}
+
+namespace {
 
 // Work per task: about 64 KiB of data, so small calls stay on one thread.
 int64_t grain_for(int64_t bytes_per_item) { return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, bytes_per_item)); }

@@ -14,6 +14,10 @@ std::vector<std::string> supported_isas();
 // The level the kernels use now: the best supported one, capped by the
 // TENSOR_OPS_CPU_ISA environment variable or set_isa().
 std::string active_isa();
+// TENSOR_OPS_STREAM_BYTES (read once; a malformed value warns through
+// environment_warnings()), else 16 MiB: outputs of at least this many bytes
+// are written with streaming stores; 0 or less turns them off.
+int64_t stream_threshold_bytes();
 // Throws InvalidArgument for an unknown level, Unsupported for one this CPU
 // lacks. "auto" returns to the best level.
 void set_isa(const std::string& name);

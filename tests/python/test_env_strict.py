@@ -84,3 +84,17 @@ def test_good_cpu_isa_is_silent(value):
     out = _import_with(TENSOR_OPS_CPU_ISA=value)
     assert out["isa"] == (out["best_isa"] if value == "auto" else value)
     assert _warnings(out) == []
+
+
+@pytest.mark.parametrize("value", ["16M", "lots", "1e6", "4096 "])
+def test_bad_stream_bytes_warns_and_keeps_the_default(value):
+    out = _import_with(TENSOR_OPS_STREAM_BYTES=value)
+    w = [m for m in _warnings(out) if "TENSOR_OPS_STREAM_BYTES" in m]
+    assert len(w) == 1, _warnings(out)
+    assert f"TENSOR_OPS_STREAM_BYTES='{value}' is not a whole number of bytes; using 16777216 instead" in w[0], w[0]
+
+
+@pytest.mark.parametrize("value", ["0", "1048576", ""])
+def test_good_stream_bytes_is_silent(value):
+    assert _import_with(TENSOR_OPS_STREAM_BYTES=value)["op_ok"]
+    assert [m for m in _warnings(_import_with(TENSOR_OPS_STREAM_BYTES=value)) if "STREAM" in m] == []
