@@ -33,9 +33,12 @@ class RMSNorm(nn.RMSNorm):
     """torch.nn.RMSNorm on the fused tensor_ops kernel (fp32 accumulation)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = math.prod(self.normalized_shape)
+        w = self.weight
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        y = ops.rms_norm(_flat_last(x, self.normalized_shape), _affine(self.weight, x, n, 1.0), eps)
+        if w is not None and w.dtype == x.dtype and len(self.normalized_shape) == 1:
+            return ops.rms_norm(x, w, eps)  # the common case: no reshape, no cast, no view
+        n = math.prod(self.normalized_shape)
+        y = ops.rms_norm(_flat_last(x, self.normalized_shape), _affine(w, x, n, 1.0), eps)
         return y.view(x.shape)
 
 
@@ -43,6 +46,10 @@ class LayerNorm(nn.LayerNorm):
     """torch.nn.LayerNorm on the fused tensor_ops kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if (w is not None and w.dtype == x.dtype and (b is None or b.dtype == x.dtype)
+                and len(self.normalized_shape) == 1):
+            return ops.layer_norm(x, w, b, self.eps)  # the common case: no reshape, no cast, no view
         n = math.prod(self.normalized_shape)
         bias = None if self.bias is None else _affine(self.bias, x, n, 0.0)
         y = ops.layer_norm(_flat_last(x, self.normalized_shape), _affine(self.weight, x, n, 1.0), bias, self.eps)
