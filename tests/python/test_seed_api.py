@@ -159,7 +159,7 @@ def test_detector_follows_the_registry(monkeypatch):
                                    else p.hardware_type)
     monkeypatch.setenv("TENSOR_OPS_BACKEND", "cpu")
     monkeypatch.delenv("TENSOR_OPS_PRIORITY", raising=False)
-    p = det.detect()
+    p = det.detect(force_redetect=True)
     assert (p.backend, p.hardware_type) == ("cpu", tensor_ops.HardwareType.CPU)
     assert p.capabilities["simd_level"] == tensor_ops._C.cpu_active_isa()
 

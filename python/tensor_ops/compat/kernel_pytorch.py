@@ -29,8 +29,17 @@ from ._backend import (
 )
 
 # ---- configuration (kernel_pytorch.core.config) ----------------------------------------------------
-# Every field the guides set is accepted; which ones act is in docs/migration.md. slots=True: a misspelt
-# field raises AttributeError instead of being stored and ignored.
+# Every field the guides set is accepted; which ones act is in docs/migration.md.
+
+
+class StrictConfig:
+    """A misspelt field raises AttributeError instead of being stored and ignored."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self.__dataclass_fields__:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}; fields: "
+                                 f"{', '.join(self.__dataclass_fields__)}")
+        object.__setattr__(self, name, value)
 
 
 class NVIDIAArchitecture(str, enum.Enum):
@@ -58,8 +67,8 @@ class TPUTopology(str, enum.Enum):
     SUPERPOD = "superpod"
 
 
-@dataclasses.dataclass(slots=True)
-class NVIDIAConfig:
+@dataclasses.dataclass
+class NVIDIAConfig(StrictConfig):
     architecture: NVIDIAArchitecture = NVIDIAArchitecture.AUTO
     device_id: int = 0
     fp8_enabled: bool = False
@@ -75,8 +84,8 @@ class NVIDIAConfig:
     enable_oom_protection: bool = True
 
 
-@dataclasses.dataclass(slots=True)
-class TPUConfig:
+@dataclasses.dataclass
+class TPUConfig(StrictConfig):
     version: TPUVersion = TPUVersion.AUTO
     topology: TPUTopology = TPUTopology.SINGLE
     compilation_mode: str = "torch_xla"
@@ -90,19 +99,19 @@ class TPUConfig:
     monitoring_duration_seconds: float = 60.0
 
 
-@dataclasses.dataclass(slots=True)
-class HardwareConfig:
+@dataclasses.dataclass
+class HardwareConfig(StrictConfig):
     nvidia: NVIDIAConfig = dataclasses.field(default_factory=NVIDIAConfig)
     tpu: TPUConfig = dataclasses.field(default_factory=TPUConfig)
 
 
-@dataclasses.dataclass(slots=True)
-class KernelConfig:
+@dataclasses.dataclass
+class KernelConfig(StrictConfig):
     enabled: bool = True  # prepare_model's fused modules (O1 and up) are always on
 
 
-@dataclasses.dataclass(slots=True)
-class KernelPyTorchConfig:
+@dataclasses.dataclass
+class KernelPyTorchConfig(StrictConfig):
     hardware: HardwareConfig = dataclasses.field(default_factory=HardwareConfig)
     kernel: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 

@@ -16,7 +16,7 @@ from tensor_ops.torch.prepare import OptimizationLevel, validate_model
 
 from . import _backend
 from ._backend import TensorOpsBackend, unavailable_reason
-from .kernel_pytorch import NVIDIAConfig
+from .kernel_pytorch import NVIDIAConfig, StrictConfig
 
 
 class TorchBridgeBackend(TensorOpsBackend):
@@ -107,8 +107,8 @@ class AMDArchitecture(str, enum.Enum):
     RDNA3 = "rdna3"
 
 
-@dataclasses.dataclass(slots=True)
-class AMDConfig:
+@dataclasses.dataclass
+class AMDConfig(StrictConfig):
     architecture: AMDArchitecture = AMDArchitecture.AUTO
     device_id: int = 0
     enable_matrix_cores: bool = True
@@ -116,8 +116,8 @@ class AMDConfig:
     precision: str = "float32"
 
 
-@dataclasses.dataclass(slots=True)
-class IntelConfig:
+@dataclasses.dataclass
+class IntelConfig(StrictConfig):
     device_id: int = 0
     enable_ipex: bool = False
     enable_onednn: bool = True
@@ -125,24 +125,24 @@ class IntelConfig:
     precision: str = "float32"
 
 
-@dataclasses.dataclass(slots=True)
-class TPUConfig:
+@dataclasses.dataclass
+class TPUConfig(StrictConfig):
     precision: str = "bfloat16"
     enable_xla_cache: bool = True
     cache_max_size: int = 100
     compilation_mode: str = "torch_xla"
 
 
-@dataclasses.dataclass(slots=True)
-class HardwareConfig:
+@dataclasses.dataclass
+class HardwareConfig(StrictConfig):
     nvidia: NVIDIAConfig = dataclasses.field(default_factory=NVIDIAConfig)
     amd: AMDConfig = dataclasses.field(default_factory=AMDConfig)
     intel: IntelConfig = dataclasses.field(default_factory=IntelConfig)
     tpu: TPUConfig = dataclasses.field(default_factory=TPUConfig)
 
 
-@dataclasses.dataclass(slots=True)
-class TorchBridgeConfig:
+@dataclasses.dataclass
+class TorchBridgeConfig(StrictConfig):
     """The presets set the optimization level prepare_model uses when called
     without one on a backend created with this config: training O1 (fused
     modules, no compile, full precision), inference O2 (+ torch.compile),
