@@ -236,7 +236,11 @@ class BackendFactory:
 
 def get_backend(backend_type: Union[str, BackendType, None] = None, config: Any = None,
                 device_id: int = 0) -> TensorOpsBackend:
-    return BackendFactory.create(backend_type, config, device_id)
+    """The named backend, or (None) the one tensor_ops runs host arrays on
+    now: the best available unless TENSOR_OPS_BACKEND / set_backend() /
+    use() chose another, as tensor_ops.torch.get_backend()."""
+    return BackendFactory.create(tensor_ops.get_backend() if backend_type is None else backend_type, config,
+                                 device_id)
 
 
 class CPUOptimizer(BaseOptimizer):
