@@ -327,8 +327,10 @@ SPECS = {
                                           ns["tpu_config"].cache_max_size) == ("v5e", "single", 100))),
     "000:8": Spec(CONFIG, check=lambda ns, p: ok(ns["config"].hardware.nvidia.flash_attention_version == "3")),
     "000:9": Spec(CONFIG, check=lambda ns, p: ok(ns["config"].hardware.nvidia.fp8_enabled is True)),
-    "000:10": Spec(KP + "NVIDIABackend\nbackend = NVIDIABackend()\n", needs=("cuda",)),
-    "000:11": Spec(KP + "NVIDIABackend\nbackend = NVIDIABackend()\n", needs=("cuda",)),
+    "000:10": Spec({"model": tiny_model}, KP + "NVIDIABackend\nbackend = NVIDIABackend()\n", needs=("cuda",),
+                   check=lambda ns, p: _is_module(ns["model"])),
+    "000:11": Spec(KP + "NVIDIABackend\nbackend = NVIDIABackend()\n", needs=("cuda",),
+                   check=lambda ns, p: _lines_in(p, "Allocated: ")),
     "000:12": Spec(),
     "000:13": Spec(CONFIG, check=lambda ns, p: ok(ns["config"].hardware.tpu.enable_xla_cache is True)),
     "000:14": Spec(),
@@ -482,19 +484,9 @@ def eager_compile(monkeypatch):
     monkeypatch.setattr(nn.Module, "compile", lambda self, *a, **k: compile_(self, *a, **{**k, "backend": "eager"}))
 
 
-@pytest.mark.parametrize("block_id", sorted(SPECS))
-def test_block(block_id, eager_compile):
-    import tensor_ops.compat.kernel_pytorch  # noqa: F401 (the specs' checks name it)
-    import tensor_ops.compat.torchbridge  # noqa: F401
-
+def run_block(block_id):
+    """(namespace, printed) of the block run after its given values and setup."""
     block, spec = BY_ID[block_id], SPECS[block_id]
-    for need in spec.needs:
-        reason = need_reason(need)
-        if reason:
-            pytest.skip(f"seed block {block_id} needs {need}: {reason}")
-    if block_id in TREES:
-        spec.check(importlib.import_module(f"tensor_ops.compat.{TREES[block_id]}"))(None, "", block)
-        return
     ns = {"__name__": f"seed_{block_id.replace(':', '_')}"}
     values, setup = spec.values, spec.code
     if isinstance(values, str):
@@ -513,8 +505,47 @@ def test_block(block_id, eager_compile):
             exec(compile(code, f"<seed block {block_id}, line {block.line}>", "exec"), ns)
     finally:
         sys.path[:] = path
+    return ns, printed.getvalue()
+
+
+@pytest.mark.parametrize("block_id", sorted(SPECS))
+def test_block(block_id, eager_compile):
+    import tensor_ops.compat.kernel_pytorch  # noqa: F401 (the specs' checks name it)
+    import tensor_ops.compat.torchbridge  # noqa: F401
+
+    spec = SPECS[block_id]
+    for need in spec.needs:
+        reason = need_reason(need)
+        if reason:
+            pytest.skip(f"seed block {block_id} needs {need}: {reason}")
+    if block_id in TREES:
+        spec.check(importlib.import_module(f"tensor_ops.compat.{TREES[block_id]}"))(None, "", BY_ID[block_id])
+        return
+    ns, printed = run_block(block_id)
     if spec.check is not None:
-        spec.check(ns, printed.getvalue())
+        spec.check(ns, printed)
+
+
+# 003:4 allocates 4.8 GB, which a GPU holds and this test should not take from a shared host.
+CUDA_ONLY = sorted(b for b, s in SPECS.items() if s.needs == ("cuda",) and b != "003:4")
+
+
+@pytest.mark.parametrize("block_id", CUDA_ONLY)
+def test_cuda_block_with_the_cpu_standing_in(block_id, monkeypatch, eager_compile):
+    """The CUDA blocks' names, signatures and return shapes, with the CPU
+    standing in for the GPU (test_block runs them for real where CUDA is)."""
+    from tensor_ops.compat import airllm, kernel_pytorch as kp
+
+    monkeypatch.setattr(kp.NVIDIABackend, "REGISTRY_NAME", "cpu")
+    monkeypatch.setattr(kp.NVIDIABackend, "compute_capability", property(lambda self: (9, 0)))
+    monkeypatch.setattr(kp.NVIDIAMemoryManager, "__init__",
+                        lambda self, config=None, device_id=0: kp.MemoryManager.__init__(self, "cpu:0"))
+    monkeypatch.setattr(airllm, "cuda", airllm.BackendModule("cpu", "get_cuda_info",
+                                                             lambda: tensor_ops.backend_info("cpu")))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    ns, printed = run_block(block_id)
+    if block_id == "003:10":
+        _lines_in(printed, "OOM Error: out of memory on cpu")
 
 
 @pytest.mark.parametrize("block_id", sorted(COMMANDS))
