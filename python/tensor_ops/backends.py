@@ -19,21 +19,32 @@ _DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "accelerator", 3: "other"}
 
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
-    """One device of one backend."""
+    """One device of one backend. The fields after device_name are optional
+    (the seed guide's DeviceInfo is built with keywords, often without them)."""
 
     backend: str
     device_type: str
     device_id: int
     device_name: str
-    total_memory_bytes: int
-    compute_capability: str
-    driver_version: str
-    is_available: bool
+    total_memory_bytes: int = 0
+    compute_capability: str = ""
+    driver_version: str = ""
+    is_available: bool = True
     vendor: str = ""
     properties: Dict[str, str] = dataclasses.field(default_factory=dict)
 
+    @property
+    def total_memory_gb(self) -> float:
+        return self.total_memory_bytes / float(1 << 30)
+
+    @property
+    def total_memory_mb(self) -> float:
+        return self.total_memory_bytes / float(1 << 20)
+
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields, plus total_memory_gb and total_memory_mb."""
+        return {**dataclasses.asdict(self), "total_memory_gb": self.total_memory_gb,
+                "total_memory_mb": self.total_memory_mb}
 
 
 @dataclasses.dataclass(frozen=True)

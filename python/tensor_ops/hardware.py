@@ -109,16 +109,30 @@ def backend_info(name: Optional[str] = None) -> Dict[str, Any]:
 
 class HardwareDetector:
     """detect(): the HardwareProfile of the backend the registry picks for
-    host arrays; get_optimal_backend(): that backend's name."""
+    host arrays, computed once per detector (force_redetect=True recomputes
+    it, e.g. after TENSOR_OPS_PRIORITY changed); get_optimal_backend(): that
+    backend's name (of the given profile, or of detect())."""
 
-    def get_optimal_backend(self) -> str:
+    def __init__(self) -> None:
+        self._profile: Optional[HardwareProfile] = None
+
+    def get_optimal_backend(self, profile: Optional[HardwareProfile] = None) -> str:
+        if profile is not None and not isinstance(profile, HardwareProfile):
+            raise InvalidArgumentError(
+                f"get_optimal_backend: profile must be a HardwareProfile (from detect()), got {type(profile).__name__}")
+        return (profile or self.detect()).backend
+
+    def detect(self, force_redetect: bool = False) -> HardwareProfile:
+        if self._profile is None or force_redetect:
+            self._profile = self._detect()
+        return self._profile
+
+    @staticmethod
+    def _detect() -> HardwareProfile:
         with use("auto"):  # the automatic choice, whatever set_backend() said
             from .backends import get_backend
 
-            return get_backend()
-
-    def detect(self) -> HardwareProfile:
-        name = self.get_optimal_backend()
+            name = get_backend()
         devs = [d for d in devices() if d.backend == name]
         first = devs[0] if devs else None
         info = backend_info(name)

@@ -150,15 +150,16 @@ def test_detector_follows_the_registry(monkeypatch):
     if _usable("opencl"):  # the registry's own override moves the detector too
         monkeypatch.delenv("TENSOR_OPS_BACKEND", raising=False)
         monkeypatch.setenv("TENSOR_OPS_PRIORITY", "opencl,cpu")
-        p = det.detect()
-        assert p.backend == "opencl" == det.get_optimal_backend()
+        assert det.detect().backend == profile.backend  # cached until force_redetect
+        p = det.detect(force_redetect=True)
+        assert p.backend == "opencl" == det.get_optimal_backend() == det.get_optimal_backend(p)
         first = next(d for d in tensor_ops.devices() if d.backend == "opencl")
         assert p.device_name == first.device_name and p.capabilities["platform"] == first.properties["platform"]
         assert p.hardware_type == (tensor_ops.HardwareType.CPU if first.device_type == "cpu"
                                    else p.hardware_type)
     monkeypatch.setenv("TENSOR_OPS_BACKEND", "cpu")
     monkeypatch.delenv("TENSOR_OPS_PRIORITY", raising=False)
-    p = det.detect()
+    p = det.detect(force_redetect=True)
     assert (p.backend, p.hardware_type) == ("cpu", tensor_ops.HardwareType.CPU)
     assert p.capabilities["simd_level"] == tensor_ops._C.cpu_active_isa()
 

@@ -127,9 +127,15 @@ class Backend:
         device's name, compute capability and memory."""
         return tensor_ops.backend_info(self.name)
 
+    def _require_torch(self) -> None:
+        reason = torch_reason(self.name)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend {self.name!r} cannot hold torch tensors here: {reason}")
+
     def to_device(self, obj):
         """A tensor or module on this backend's torch device (modules move in
         place, as Module.to does)."""
+        self._require_torch()
         return obj.to(self.device)
 
     def synchronize(self) -> None:
@@ -173,6 +179,7 @@ class Backend:
         return model, result
 
     def _pool_device(self) -> str:
+        self._require_torch()  # the XLA shim has no tensor_ops pool; torch_xla owns that memory
         return f"{self.name}:{self.device_id}"
 
     def __enter__(self) -> "Backend":
