@@ -145,6 +145,9 @@ def test_bf16_logits_within_hf_bf16_error(family):
     assert rel(ours16, ref32) <= max(2 * hf_err, 1e-2), (rel(ours16, ref32), hf_err)
 
 
+KEY_BIASES = ("key.bias", "k_proj.bias", "c_attn.bias", "query_key_value.bias")
+
+
 def adamw_losses(model, x, steps=20):
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -165,9 +168,15 @@ def test_twenty_adamw_steps_track_the_original(family):
     losses, model = adamw_losses(prepared(build(family))[0], x)
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) <= 1e-4 * abs(b), (losses, ref_losses)
+    # The weights: within 1e-3 of their scale after 20 Adam steps (Adam divides each gradient by its own
+    # running magnitude, so rounding in near-zero gradients moves weights by up to lr). Not the key
+    # biases: their gradient is exactly zero in exact arithmetic (softmax ignores a per-query constant),
+    # so both runs move them by Adam-normalised rounding noise.
     ref_state = ref.state_dict()
     for name, p in model.state_dict().items():
-        assert rel(p, ref_state[name]) < 1e-4, name
+        if name.endswith(KEY_BIASES):
+            continue
+        assert rel(p, ref_state[name]) < 1e-3, (name, rel(p, ref_state[name]))
 
 
 @pytest.mark.parametrize("family", CAUSAL)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import functools
 import importlib
+import inspect
 import logging
 import sys
 import types
@@ -477,9 +478,16 @@ def _causal_lm_forward(original: Callable) -> Callable:
     """original (a *ForCausalLM.forward) with the loss on our kernels, by
     self._tensor_ops_loss: "cross_entropy" (logits as before, our loss) or
     "fused_linear_cross_entropy" (in training mode, no logits)."""
+    names = [n for n, p in inspect.signature(original).parameters.items()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+
     @functools.wraps(original)
     def forward(self, *args, labels=None, **kwargs):
         mode = getattr(self, "_tensor_ops_loss", None)
+        if args and len(args) <= len(names):  # positional inputs (input_ids first) by name
+            kwargs.update(zip(names, args))
+            args = ()
+            labels = kwargs.pop("labels", labels)
         shift_labels = kwargs.get("shift_labels")
         if mode is None or (labels is None and shift_labels is None):
             return original(self, *args, labels=labels, **kwargs)
