@@ -285,3 +285,94 @@ def test_class_patch_before_loading(family, tmp_path):
         hf.revert_tensor_ops_kernel(family)
     assert not any(type(m).__name__.startswith("TensorOps")
                    for m in transformers.AutoModelForCausalLM.from_config(config(family)).modules())
+
+
+# ---- distributed: DDP and FSDP2 (fully_shard) with 2 CPU ranks (gloo), against one process
+
+WORLD, DIST_STEPS, DIST_TIMEOUT_S = 2, 3, 300
+
+
+def _dist_train(model, x, wrap):
+    model = wrap(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(DIST_STEPS):
+        opt.zero_grad()
+        model(x, labels=x).loss.backward()
+        opt.step()
+
+
+def _full_state(model):
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _dist_worker(rank, port, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        x = ids(batch=4, seed=7)[rank * 2:rank * 2 + 2]  # equal shards, no padding: the mean of means
+        states = {}
+        ddp = prepared(build("llama", seed=8))[0].train()
+        _dist_train(ddp, x, torch.nn.parallel.DistributedDataParallel)
+        states["ddp"] = _full_state(ddp)
+
+        def shard(m):
+            for layer in m.model.layers:
+                fully_shard(layer)
+            return fully_shard(m)
+
+        fsdp = prepared(build("llama", seed=8))[0].train()
+        _dist_train(fsdp, x, shard)
+        states["fsdp2"] = _full_state(fsdp)
+        torch.save(states, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_and_fsdp2_two_ranks_match_one_process(tmp_path, monkeypatch):
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("TENSOR_OPS_NUM_THREADS", "1")
+    ctx = torch.multiprocessing.start_processes(_dist_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=False,
+                                                start_method="spawn")
+    deadline = time.monotonic() + DIST_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() > deadline:
+                pytest.fail(f"distributed workers still running after {DIST_TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    one = prepared(build("llama", seed=8))[0].train()
+    _dist_train(one, ids(batch=4, seed=7), lambda m: m)
+    ref = one.state_dict()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for kind in ("ddp", "fsdp2"):
+        for name, p in ref.items():
+            a, b = ranks[0][kind][name], ranks[1][kind][name]
+            assert torch.equal(a, b), f"{kind}: ranks disagree on {name}"
+            assert rel(a, p) < 1e-4, (kind, name, rel(a, p))
+
+
+def test_without_transformers_nothing_breaks():
+    """transformers stays optional: with it unimportable, tensor_ops.torch
+    imports and prepares, and tensor_ops.torch.hf says what to install."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import torch, tensor_ops.torch as tt\n"
+            "m, r = tt.prepare_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()), 'O1', backend='cpu')\n"
+            "assert r.success, r\n"
+            "try:\n    import tensor_ops.torch.hf\nexcept ImportError as e:\n    print('IMPORT-ERROR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "IMPORT-ERROR" in out.stdout and "pip install" in out.stdout, out.stdout
