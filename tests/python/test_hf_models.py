@@ -16,6 +16,21 @@ from tensor_ops.torch import hf  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread and one kernel thread: these models are tiny, and on
+    a loaded 2-core machine two spinning OpenMP threads made each training
+    step ~50x slower (2.5 s against 0.05 s for the tiny llama)."""
+    from tensor_ops import _C
+
+    torch_threads, kernel_threads = torch.get_num_threads(), _C.cpu_num_threads()
+    torch.set_num_threads(1)
+    _C.cpu_set_num_threads(1)
+    yield
+    torch.set_num_threads(torch_threads)
+    _C.cpu_set_num_threads(kernel_threads)
+
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=128)
@@ -376,3 +391,17 @@ def test_without_transformers_nothing_breaks():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "IMPORT-ERROR" in out.stdout and "pip install" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_left_padded_batched_generate_identical_tokens(family):
+    """Left padding through prefill and decode: the padding mask with the KV cache."""
+    model = build(family)
+    x = ids(batch=2, seq=7, seed=9)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(x, **kw)
+        got = prepared(model)[0].generate(x, **kw)
+    assert torch.equal(got, ref)
