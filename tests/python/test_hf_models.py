@@ -405,3 +405,17 @@ def test_left_padded_batched_generate_identical_tokens(family):
         ref = model.generate(x, **kw)
         got = prepared(model)[0].generate(x, **kw)
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("family", ["gemma", "phi3", "gpt2"])
+def test_prepare_twice_changes_nothing_more(family):
+    model, first = prepared(build(family))
+    x = ids()
+    with torch.no_grad():
+        ref = model(x).logits
+    model, second = prepared(model)
+    assert second.warnings == first.warnings
+    assert not any("->" in a and "attention" not in a and "RoPE" not in a and "loss" not in a
+                   for a in second.optimizations_applied[1:]), second.optimizations_applied
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref)

@@ -175,6 +175,8 @@ def _hf_class(m: nn.Module) -> bool:
 
 
 def _swap_norm(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
+    if _is_ours(m):
+        return getattr(m, "_tensor_ops_kind", "").startswith("rms_norm")
     name = type(m).__name__
     if not (_hf_class(m) and name.endswith("RMSNorm")):
         return False
@@ -192,6 +194,8 @@ def _swap_norm(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
 
 
 def _swap_gated_mlp(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
+    if _is_ours(m):
+        return "GLU" in getattr(m, "_tensor_ops_kind", "")
     children = dict(m.named_children())
     name = type(m).__name__
     if "gate_up_proj" in children and "down_proj" in children:  # Phi-3
