@@ -433,3 +433,24 @@ def test_prepare_twice_changes_nothing_more(family):
                    for a in second.optimizations_applied[1:]), second.optimizations_applied
     with torch.no_grad():
         assert torch.equal(model(x).logits, ref)
+
+
+def test_class_patch_fused_linear_cross_entropy_trains_without_logits():
+    """apply_tensor_ops_kernel_to_qwen2() with Liger's defaults (fused linear
+    cross-entropy on) before building: our classes, no logits in training,
+    the original's loss."""
+    x = ids(seed=10)
+    ref = build("qwen2").train()
+    ref_loss = ref(x, labels=x).loss
+    hf.apply_tensor_ops_kernel_to_qwen2()
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config("qwen2"), attn_implementation="tensor_ops")
+        model.load_state_dict(ref.state_dict())
+        model.train()
+        names = {type(m).__name__ for m in model.modules()}
+        assert {"TensorOpsQwen2MLP", "TensorOpsQwen2RMSNorm"} <= names, names
+        out = model(x, labels=x)
+        assert out.logits is None
+        assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    finally:
+        hf.revert_tensor_ops_kernel("qwen2")
