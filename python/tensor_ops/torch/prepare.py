@@ -7,6 +7,7 @@ import collections
 import copy
 import dataclasses
 import enum
+import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -147,6 +148,12 @@ def _swap_modules(m: nn.Module, path: str, warnings: List[str], counts: collecti
     return m
 
 
+def _is_transformers_model(model: nn.Module) -> bool:
+    """Whether model holds transformers modules (transformers is then imported already)."""
+    return "transformers" in sys.modules and any(
+        type(m).__module__.startswith("transformers.") for m in model.modules())
+
+
 def _reduced_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -179,7 +186,11 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
     O1 also swaps nn.RMSNorm / LayerNorm / SiLU / GELU for tensor_ops.torch's
     modules and HF-style gated MLPs (gate_proj, up_proj, down_proj, act_fn)
     and HF RMSNorms for SwiGLU / RMSNorm holding the same Parameters (the
-    state_dict keys do not change); O2 also compiles it (Module.compile with
+    state_dict keys do not change); on a transformers model, O1 also runs
+    tensor_ops.torch.hf.prepare_hf_model (Gemma norms, fused gate/up MLPs,
+    Linear + activation epilogues, activations, RoPE, attention through
+    transformers' AttentionInterface, the causal-LM loss on our
+    cross_entropy) and names in warnings what it leaves on torch; O2 also compiles it (Module.compile with
     compile_options); O3 also stores it in reduced precision and casts
     floating inputs on entry. With example_inputs, the prepared model runs once
     (which also compiles it); if that fails, the compile is undone and the
@@ -205,6 +216,10 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
     counts: collections.Counter = collections.Counter()
     if level >= OptimizationLevel.O1:
         model = _swap_modules(model, "", warnings, counts)
+        if _is_transformers_model(model):
+            from . import hf  # imported only when transformers already is
+
+            hf.prepare_hf_model(model, warnings, counts)
         applied += [f"{swap} x{n}" for swap, n in sorted(counts.items())]
         if not counts:
             warnings.append("O1: no module tensor_ops replaces was found")

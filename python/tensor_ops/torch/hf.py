@@ -1,0 +1,769 @@
+"""Hugging Face transformers models on tensor_ops kernels, whole.
+
+Two ways in, in the conventions HF users know (Liger-Kernel's are the anchor):
+- a loaded model: prepare_model(model, "O1") (which calls prepare_hf_model
+  here), or apply_tensor_ops_kernel_to_<family>(..., model=model);
+- before loading: apply_tensor_ops_kernel_to_<family>(rope=..., rms_norm=...,
+  swiglu=..., cross_entropy=..., fused_linear_cross_entropy=...) patches the
+  family's modeling module, so every model built afterwards (from_config,
+  from_pretrained) is built from our classes; AutoTensorOpsKernelForCausalLM
+  .from_pretrained does that from the checkpoint's model_type.
+
+What runs where:
+- norms: HF's RMSNorm classes (Gemma's x / rms * (1 + weight) too) become
+  subclasses of themselves whose forward is our rms_norm kernel (same object,
+  same Parameter: optimizers, state_dict and isinstance checks keep working).
+  Note [Gemma's offset]: our rms_norm kernel has no weight offset yet, so the
+  offset is applied to the [hidden] weight vector per call (1 + weight, in
+  float32, then in x's dtype), not to the [tokens, hidden] activations; a
+  kernel offset parameter would save that one tiny add.
+- gated MLPs (LlamaMLP-like; Phi3MLP's fused gate_up_proj) run act(gate) * up
+  in one swiglu / geglu kernel; dense + activation pairs (GPT-NeoX, BERT,
+  GPT-2's Conv1D) become one Linear + activation epilogue (fused_linear);
+  standalone activations run our silu / gelu (erf or tanh, as the module's own
+  approximation: NewGELU / FastGELU / GELUTanh are the tanh form, GELUActivation
+  the erf form).
+- RoPE: the family's module-level apply_rotary_pos_emb is replaced by ours
+  (process-wide, as Liger does: HF's attention modules look it up at call
+  time); partial rotary (GPT-NeoX, Phi-3) passes the tail dims through.
+- attention: registered as "tensor_ops" in transformers' AttentionInterface
+  (masks built by HF's own sdpa mask function), and the model's
+  config._attn_implementation set to it, so KV caches, padding and sliding
+  window masks and GQA are HF's as before. No mask: our flash attention
+  kernel; a mask, dropout or a logit softcap (Gemma 2): scores by torch's
+  matmul in float32, our softmax. What we cannot run (output_attentions,
+  paged caches, T5 position bias, sinks, head_dim mismatch) goes per call to
+  the family's own eager attention, counted in ATTENTION_FALLBACKS and logged
+  once per reason.
+- loss: *ForCausalLM.forward wrapped: with labels, the loss through our
+  cross_entropy (logits kept) or, with fused_linear_cross_entropy in training
+  mode, through fused_linear_cross_entropy from the last hidden states, so
+  the [tokens, vocab] logits and their gradient never exist (logits=None, as
+  Liger)."""
+from __future__ import annotations
+
+import collections
+import functools
+import importlib
+import inspect
+import logging
+import sys
+import types
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as e:  # pragma: no cover - exercised without transformers only
+    raise ImportError("tensor_ops.torch.hf needs transformers: pip install 'tensor_ops[hf]' "
+                      f"(or pip install transformers): {e}") from e
+
+from . import functional as ops
+from . import modules
+from .flash_attention import _additive, scaled_dot_product_attention
+from .fused_linear import FusedLinearGELU, FusedLinearSiLU, linear_activation
+from .linear_cross_entropy import fused_linear_cross_entropy as _flce
+
+_log = logging.getLogger("tensor_ops")
+
+ATTENTION = "tensor_ops"
+# reason -> calls that went to the family's eager attention instead of ours.
+ATTENTION_FALLBACKS: collections.Counter = collections.Counter()
+_logged_reasons: set = set()
+
+# ---------------------------------------------------------------- activations
+
+# HF activation classes (transformers.activations) by name -> our activation.
+HF_ACTIVATIONS = {"GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
+                  "PytorchGELUTanh": "gelu_tanh", "FastGELUActivation": "gelu_tanh", "SiLUActivation": "silu"}
+
+
+def activation_kind(act: Optional[nn.Module]) -> Optional[str]:
+    """'silu', 'gelu' (erf) or 'gelu_tanh' for an activation module we have a
+    kernel for, else None."""
+    if act is None:
+        return None
+    if getattr(act, "_tensor_ops_act", None):
+        return act._tensor_ops_act
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    if isinstance(act, nn.SiLU):
+        return "silu"
+    for cls in type(act).__mro__:
+        if cls.__module__.startswith("transformers.") and cls.__name__ in HF_ACTIVATIONS:
+            return HF_ACTIVATIONS[cls.__name__]
+    return None
+
+
+def _act(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "silu":
+        return ops.silu(x)
+    return ops.gelu(x, "tanh" if kind == "gelu_tanh" else "none")
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "silu":
+        return ops.swiglu(gate, up)
+    return ops.geglu(gate, up, "tanh" if kind == "gelu_tanh" else "none")
+
+
+# ------------------------------------------------------- subclasses of HF's own
+
+def _activation_forward(self, x):
+    return _act(x, self._tensor_ops_act)
+
+
+def _rms_norm_forward(self, x):
+    return ops.rms_norm(x, self.weight.to(x.dtype), self.variance_epsilon)
+
+
+def _offset_rms_norm_forward(self, x):
+    # Note [Gemma's offset]: (1 + weight) in float32 as Gemma's own forward, per call on the weight vector only.
+    return ops.rms_norm(x, (self.weight.float() + 1.0).to(x.dtype), self.eps)
+
+
+def _gated_mlp_forward(self, x):
+    return self.down_proj(_glu(self.gate_proj(x), self.up_proj(x), self._tensor_ops_act))
+
+
+def _gate_up_mlp_forward(self, x):
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(_glu(gate, up, self._tensor_ops_act))
+
+
+def _conv1d_activation_forward(self, x):
+    # Conv1D keeps weight [in, out]: x @ weight + bias, the same GEMM as Conv1D.forward's addmm.
+    return linear_activation(x, self.weight.t(), self.bias, self._tensor_ops_act)
+
+
+_SUBCLASSES: Dict[tuple, type] = {}
+
+
+def _subclass(cls: type, forward: Callable, what: str) -> type:
+    """TensorOps<cls> deriving from cls, with our forward (cached: one class per (cls, forward))."""
+    key = (cls, forward)
+    sub = _SUBCLASSES.get(key)
+    if sub is None:
+        sub = type(f"TensorOps{cls.__name__}", (cls,),
+                   {"forward": forward, "__module__": __name__, "_tensor_ops_kind": what,
+                    "__doc__": f"{cls.__name__} on tensor_ops kernels ({what})."})
+        _SUBCLASSES[key] = sub
+    return sub
+
+
+def _is_ours(m: nn.Module) -> bool:
+    return type(m).__module__.startswith("tensor_ops.")
+
+
+def _swap_class(m: nn.Module, forward: Callable, what: str, counts, **attrs) -> None:
+    old = type(m).__name__
+    m.__class__ = _subclass(type(m), forward, what)
+    for k, v in attrs.items():
+        setattr(m, k, v)
+    counts[f"{old} -> {type(m).__name__} ({what})"] += 1
+
+
+# ----------------------------------------------------------------- recognisers
+
+def _hf_class(m: nn.Module) -> bool:
+    return type(m).__module__.startswith("transformers.")
+
+
+def _swap_norm(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
+    if _is_ours(m):
+        return getattr(m, "_tensor_ops_kind", "").startswith("rms_norm")
+    name = type(m).__name__
+    if not (_hf_class(m) and name.endswith("RMSNorm")):
+        return False
+    w = getattr(m, "weight", None)
+    ok = isinstance(w, nn.Parameter) and w.dim() == 1
+    if ok and name.startswith("Gemma") and isinstance(getattr(m, "eps", None), float):
+        _swap_class(m, _offset_rms_norm_forward, "rms_norm kernel, weight offset 1", counts)
+        return True
+    if ok and isinstance(getattr(m, "variance_epsilon", None), float) and not name.startswith("Gemma"):
+        _swap_class(m, _rms_norm_forward, "rms_norm kernel", counts)
+        return True
+    warnings.append(f"{path} ({name}) looks like an RMSNorm but was left as is: no 1-d weight Parameter with a "
+                    f"float variance_epsilon (or eps for Gemma's 1 + weight form)")
+    return True
+
+
+def _swap_gated_mlp(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
+    if _is_ours(m):
+        return "GLU" in getattr(m, "_tensor_ops_kind", "")
+    children = dict(m.named_children())
+    name = type(m).__name__
+    if "gate_up_proj" in children and "down_proj" in children:  # Phi-3
+        kind = activation_kind(children.get("activation_fn"))
+        gu, d = children["gate_up_proj"], children["down_proj"]
+        why = None
+        if set(children) != {"gate_up_proj", "down_proj", "activation_fn"}:
+            why = f"children {sorted(children)} are not gate_up_proj, down_proj, activation_fn"
+        elif type(gu) is not nn.Linear or type(d) is not nn.Linear or gu.out_features != 2 * d.in_features:
+            why = "gate_up_proj / down_proj are not nn.Linear of out_features 2 * intermediate"
+        elif kind is None:
+            why = f"activation_fn {type(children['activation_fn']).__name__} has no tensor_ops kernel"
+        elif not _hf_class(m):
+            why = "not a transformers class (its forward is unknown)"
+        if why:
+            warnings.append(f"{path} ({name}) looks like a fused gate/up MLP but was left as is: {why}")
+        else:
+            _swap_class(m, _gate_up_mlp_forward, f"gate_up_proj + {kind} GLU kernel", counts, _tensor_ops_act=kind)
+            _swap_activation(children["activation_fn"], collections.Counter())  # unused by our forward: consistent
+        return True
+    if {"gate_proj", "up_proj", "down_proj"} <= set(children) and _hf_class(m):
+        kind = activation_kind(children.get("act_fn"))
+        if set(children) == {"gate_proj", "up_proj", "down_proj", "act_fn"} and kind is not None and all(
+                type(children[c]) is nn.Linear for c in ("gate_proj", "up_proj", "down_proj")):
+            _swap_class(m, _gated_mlp_forward, f"{kind} GLU kernel", counts, _tensor_ops_act=kind)
+            _swap_activation(children["act_fn"], collections.Counter())  # unused by our forward: consistent
+        else:
+            warnings.append(f"{path} ({name}) looks like a gated MLP but was left as is: children {sorted(children)}"
+                            f", act_fn {type(children.get('act_fn')).__name__} (kernel: {kind})")
+        return True
+    return False
+
+
+# HF modules whose forward is linear -> act (-> ...): (class name, linear slot, activation slot).
+LINEAR_ACTIVATION_PAIRS = {
+    "GPTNeoXMLP": ("dense_h_to_4h", "act"),
+    "BertIntermediate": ("dense", "intermediate_act_fn"),
+    "BertPredictionHeadTransform": ("dense", "transform_act_fn"),
+    "GPT2MLP": ("c_fc", "act"),
+}
+
+
+def _fuse_pair(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
+    slots = LINEAR_ACTIVATION_PAIRS.get(type(m).__name__)
+    if slots is None or not _hf_class(m):
+        return False
+    lin, act = getattr(m, slots[0], None), getattr(m, slots[1], None)
+    kind = activation_kind(act)
+    if isinstance(act, nn.Identity) and (isinstance(lin, (FusedLinearGELU, FusedLinearSiLU))
+                                         or getattr(lin, "_tensor_ops_act", None)):
+        return True  # already fused
+    lname = type(lin).__name__
+    if kind is None:
+        warnings.append(f"{path} ({type(m).__name__}): {slots[0]} + {slots[1]} left unfused: activation "
+                        f"{type(act).__name__} has no tensor_ops kernel")
+        return True
+    if type(lin) is nn.Linear:
+        lin.__class__ = FusedLinearGELU if kind != "silu" else FusedLinearSiLU
+        if kind != "silu":
+            lin.approximate = "tanh" if kind == "gelu_tanh" else "none"
+        counts[f"{type(m).__name__}.{slots[0]} Linear + {type(act).__name__} -> {type(lin).__name__}"] += 1
+    elif lname == "Conv1D" and _hf_class(lin):
+        old = lname
+        lin.__class__ = _subclass(type(lin), _conv1d_activation_forward, "Linear + activation epilogue")
+        lin._tensor_ops_act = kind
+        counts[f"{type(m).__name__}.{slots[0]} {old} + {type(act).__name__} -> {type(lin).__name__}"] += 1
+    else:
+        warnings.append(f"{path} ({type(m).__name__}): {slots[0]} ({lname}) is not nn.Linear or Conv1D: left unfused")
+        return True
+    setattr(m, slots[1], nn.Identity())
+    return True
+
+
+def _swap_activation(m: nn.Module, counts) -> bool:
+    if _is_ours(m):
+        return False
+    kind = activation_kind(m)
+    if kind is None:
+        return False
+    _swap_class(m, _activation_forward, f"{kind} kernel", counts, _tensor_ops_act=kind)
+    return True
+
+
+def swap_hf_modules(model: nn.Module, warnings: List[str], counts, *, rms_norm: bool = True, swiglu: bool = True,
+                    activations: bool = True, fuse_linear: bool = True) -> None:
+    """Our subclasses for HF's norms, gated MLPs, Linear + activation pairs
+    and activations, at any depth, in place."""
+    def visit(m: nn.Module, path: str) -> None:
+        if rms_norm and _swap_norm(m, path, warnings, counts):
+            return
+        if swiglu and _swap_gated_mlp(m, path, warnings, counts):
+            return
+        if fuse_linear and _fuse_pair(m, path, warnings, counts):
+            pass  # its other children (c_proj, ...) are visited below
+        elif activations and _swap_activation(m, counts):
+            return
+        for name, child in m.named_children():
+            visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
+
+
+# ------------------------------------------------------------------ attention
+
+def _eager(module):
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+    return fn
+
+
+def _fallback(reason: str, module, *args, **kwargs):
+    ATTENTION_FALLBACKS[reason] += 1
+    if reason not in _logged_reasons:
+        _logged_reasons.add(reason)
+        _log.warning("tensor_ops attention: %s: this call (and any like it) runs %s's eager attention",
+                     reason, type(module).__name__)
+    return _eager(module)(module, *args, **kwargs)
+
+
+def _unsupported(query, key, value, dropout, kwargs) -> Optional[str]:
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True needs the attention probabilities"
+    if kwargs.get("cache") is not None:
+        return "paged attention cache"
+    if kwargs.get("position_bias") is not None:
+        return "position_bias (T5-style) is not supported"
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        return "attention sinks are not supported"
+    if query.dim() != 4 or key.shape[-1] != value.shape[-1] or query.shape[-1] != key.shape[-1]:
+        return f"q/k/v head dims {query.shape[-1]}/{key.shape[-1]}/{value.shape[-1]} differ"
+    if query.shape[1] % key.shape[1]:
+        return f"kv heads ({key.shape[1]}) do not divide q heads ({query.shape[1]})"
+    return None
+
+
+def _softcapped_attention(q, k, v, mask, dropout, causal, scale, softcap):
+    """Gemma 2's attention: softcap * tanh(scale q k^T / softcap) + mask, our softmax, @ v."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:
+        k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + _additive(mask, acc)
+    if causal:
+        lq, lk = scores.shape[-2:]
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril(0)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    empty = torch.isneginf(scores).all(-1, keepdim=True)
+    probs = ops.softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    if dropout:
+        probs = F.dropout(probs, dropout, True)
+    return torch.matmul(probs, v.to(acc)).to(q.dtype)
+
+
+def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None, softcap: Optional[float] = None, **kwargs):
+    """transformers' attention interface (sdpa_attention_forward's contract):
+    query [batch, heads, Lq, d], key / value [batch, kv_heads, Lk, d], the
+    mask from HF's sdpa mask function (bool, True attends, or None when
+    causal alone is enough); returns ([batch, Lq, heads, d], None)."""
+    reason = _unsupported(query, key, value, dropout, kwargs)
+    if reason is not None:
+        return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         softcap=softcap, **kwargs)
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(q_len > 1 and attention_mask is None and causal)
+    if causal and kv_len > q_len:  # as sdpa_attention_forward: an empty static cache's prefill
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    if softcap is not None:
+        out = _softcapped_attention(query, key, value, attention_mask, dropout, causal, scale, softcap)
+    elif attention_mask is None and not dropout:
+        out = ops.attention(query, key, value, causal, scale, causal_alignment="top_left")
+    else:
+        out = scaled_dot_product_attention(query, key, value, attention_mask, dropout, causal, scale,
+                                           training=True, causal_alignment="top_left")
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> str:
+    """Registers "tensor_ops" in transformers' AttentionInterface (and HF's
+    sdpa mask function for it); idempotent. Returns the name."""
+    if AttentionInterface._global_mapping.get(ATTENTION) is not attention_forward:
+        AttentionInterface.register(ATTENTION, attention_forward)
+        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    return ATTENTION
+
+
+def _set_attention(model: nn.Module, warnings: List[str], counts) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        return
+    register_attention()
+    old = config._attn_implementation
+    try:
+        model.set_attn_implementation(ATTENTION)
+    except Exception as e:  # noqa: BLE001 - reported, the model keeps its attention
+        warnings.append(f"attention left as {old!r}: set_attn_implementation({ATTENTION!r}) failed: "
+                        f"{type(e).__name__}: {e}")
+        return
+    if config._attn_implementation != ATTENTION:
+        warnings.append(f"attention left as {config._attn_implementation!r}: {type(model).__name__} does not "
+                        f"dispatch through transformers' AttentionInterface")
+        return
+    n = sum(1 for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config"))
+    counts[f"attention {old} -> {ATTENTION} (AttentionInterface) in {n} attention modules"] += 1
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        counts["attention logit softcapping on the score-matrix path (torch matmul + our softmax)"] += 1
+
+
+# ----------------------------------------------------------------------- RoPE
+
+def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    b, s, rd = cos.shape
+    half = rd // 2
+    c, sn = cos[..., :half].reshape(b * s, half), sin[..., :half].reshape(b * s, half)
+    positions = None if b == 1 else torch.arange(b * s, device=cos.device).view(b, s)
+    return ops.rope(x.transpose(1, 2), c, sn, positions).transpose(1, 2)
+
+
+def _rope_function(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
+        ok = (len(args) <= 1 and set(kwargs) <= {"unsqueeze_dim"} and unsqueeze_dim == 1 and q.dim() == 4
+              and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[-1] % 2 == 0
+              and cos.shape[-1] <= min(q.shape[-1], k.shape[-1]) and cos.shape[1] == q.shape[2] == k.shape[2]
+              and cos.shape[0] in (1, q.shape[0]) and q.shape[0] == k.shape[0])
+        if not ok:
+            return original(q, k, cos, sin, *args, **kwargs)
+        return _rope_one(q, cos, sin), _rope_one(k, cos, sin)
+
+    apply_rotary_pos_emb._tensor_ops_original = original
+    return apply_rotary_pos_emb
+
+
+def patch_rope(modeling: types.ModuleType) -> bool:
+    """Replaces modeling.apply_rotary_pos_emb by ours (process-wide); False
+    when the module has none. Idempotent."""
+    fn = getattr(modeling, "apply_rotary_pos_emb", None)
+    if fn is None:
+        return False
+    if not hasattr(fn, "_tensor_ops_original"):
+        modeling.apply_rotary_pos_emb = _rope_function(fn)
+    return True
+
+
+def unpatch_rope(modeling: types.ModuleType) -> None:
+    fn = getattr(modeling, "apply_rotary_pos_emb", None)
+    if fn is not None and hasattr(fn, "_tensor_ops_original"):
+        modeling.apply_rotary_pos_emb = fn._tensor_ops_original
+
+
+def _modeling_modules(model: nn.Module) -> List[types.ModuleType]:
+    names = sorted({type(m).__module__ for m in model.modules()} | {
+        c.__module__ for m in model.modules() for c in type(m).__mro__})
+    return [sys.modules[n] for n in names if n.startswith("transformers.models.") and n in sys.modules]
+
+
+# ----------------------------------------------------------------------- loss
+
+_LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+def _shift(labels: Optional[torch.Tensor], shift_labels: Optional[torch.Tensor], ignore_index: int):
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.contiguous()
+
+
+def _reduce(loss_fn, num_items_in_batch):
+    if num_items_in_batch is None:
+        return loss_fn("mean")
+    n = num_items_in_batch.to(torch.float32) if torch.is_tensor(num_items_in_batch) else float(num_items_in_batch)
+    return loss_fn("sum") / n
+
+
+def _causal_lm_forward(original: Callable) -> Callable:
+    """original (a *ForCausalLM.forward) with the loss on our kernels, by
+    self._tensor_ops_loss: "cross_entropy" (logits as before, our loss) or
+    "fused_linear_cross_entropy" (in training mode, no logits)."""
+    names = [n for n, p in inspect.signature(original).parameters.items()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+
+    @functools.wraps(original)
+    def forward(self, *args, labels=None, **kwargs):
+        mode = getattr(self, "_tensor_ops_loss", None)
+        if args and len(args) <= len(names):  # positional inputs (input_ids first) by name
+            kwargs.update(zip(names, args))
+            args = ()
+            labels = kwargs.pop("labels", labels)
+        shift_labels = kwargs.get("shift_labels")
+        if mode is None or (labels is None and shift_labels is None):
+            return original(self, *args, labels=labels, **kwargs)
+        ignore_index = kwargs.get("ignore_index", -100)
+        num_items = kwargs.get("num_items_in_batch")
+        targets = _shift(labels, shift_labels, ignore_index)
+        head = self.get_output_embeddings()
+        fused = (mode == "fused_linear_cross_entropy" and self.training and not args
+                 and getattr(self.config, "final_logit_softcapping", None) is None
+                 and isinstance(head, nn.Linear) and not kwargs.get("return_dict") is False)
+        if not fused:
+            out = original(self, *args, labels=None, **{k: v for k, v in kwargs.items() if k not in ("shift_labels",)})
+            logits = out.logits
+            vocab = logits.shape[-1]
+
+            def loss_fn(reduction):
+                return ops.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1).to(logits.device),
+                                         ignore_index, reduction)
+
+            out.loss = _reduce(loss_fn, num_items)
+            return out
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        base_kwargs = {k: v for k, v in kwargs.items() if k not in _LOSS_KWARGS + ("logits_to_keep",)}
+        outputs = getattr(self, self.base_model_prefix)(**base_kwargs)
+        hidden = outputs[0]
+
+        def loss_fn(reduction):
+            return _flce(hidden, head.weight, targets.to(hidden.device), head.bias, ignore_index, reduction)
+
+        loss = _reduce(loss_fn, num_items)
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
+                                      hidden_states=getattr(outputs, "hidden_states", None),
+                                      attentions=getattr(outputs, "attentions", None))
+
+    forward._tensor_ops_original = original
+    return forward
+
+
+def _loss_mode(cross_entropy: bool, fused_linear_cross_entropy: bool) -> Optional[str]:
+    if fused_linear_cross_entropy:
+        return "fused_linear_cross_entropy"
+    return "cross_entropy" if cross_entropy else None
+
+
+def _patch_loss(model: nn.Module, mode: Optional[str], warnings: List[str], counts) -> None:
+    if mode is None or not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+        return
+    if not hasattr(type(model).forward, "_tensor_ops_original") and not hasattr(
+            getattr(model.forward, "__func__", None), "_tensor_ops_original"):
+        model.forward = types.MethodType(_causal_lm_forward(type(model).forward), model)
+    model._tensor_ops_loss = mode
+    counts[f"causal-LM loss -> {mode}"] += 1
+    if mode == "fused_linear_cross_entropy" and getattr(model.config, "final_logit_softcapping", None) is not None:
+        warnings.append("fused linear cross-entropy off for this model: final_logit_softcapping is set; "
+                        "the loss runs our cross_entropy on the (softcapped) logits")
+
+
+# ------------------------------------------------------------ what is left
+
+_NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "GroupNorm")
+
+
+def _leftovers(model: nn.Module, warnings: List[str]) -> None:
+    """Names every HF / torch norm, activation, MLP left on torch."""
+    seen = set(w.split(" ", 1)[0] for w in warnings)
+    handled_mlps = set(LINEAR_ACTIVATION_PAIRS)
+    for path, m in model.named_modules():
+        if _is_ours(m) or path in seen:
+            continue
+        name, where = type(m).__name__, path or "the model"
+        if name.endswith(_NORM_SUFFIXES):
+            warnings.append(f"{where} ({name}) is a norm left on torch: no tensor_ops replacement for this class")
+        elif type(m).__module__ in ("transformers.activations", "torch.nn.modules.activation") and not isinstance(
+                m, (nn.Softmax, nn.MultiheadAttention)):
+            warnings.append(f"{where} ({name}) is an activation left on torch: no tensor_ops kernel for it")
+        elif name.endswith("MLP") and name not in handled_mlps and _hf_class(m):
+            warnings.append(f"{where} ({name}) is an MLP left on torch: its structure is not one we recognise")
+
+
+# ------------------------------------------------------------- entry points
+
+def prepare_hf_model(model: nn.Module, warnings: List[str], counts: collections.Counter, *, rope: bool = True,
+                     rms_norm: bool = True, swiglu: bool = True, activations: bool = True,
+                     fuse_linear: bool = True, attention: bool = True, cross_entropy: bool = True,
+                     fused_linear_cross_entropy: bool = False) -> nn.Module:
+    """Everything above on a loaded model, in place; what changed goes into
+    counts ("what -> what": n), what did not into warnings."""
+    swap_hf_modules(model, warnings, counts, rms_norm=rms_norm, swiglu=swiglu, activations=activations,
+                    fuse_linear=fuse_linear)
+    if rope:
+        for modeling in _modeling_modules(model):
+            if patch_rope(modeling):
+                counts[f"RoPE: {modeling.__name__}.apply_rotary_pos_emb -> tensor_ops rope (process-wide)"] += 1
+    if attention:
+        _set_attention(model, warnings, counts)
+    _patch_loss(model, _loss_mode(cross_entropy, fused_linear_cross_entropy), warnings, counts)
+    _leftovers(model, warnings)
+    return model
+
+
+def _post_init_class(cls: type, fix: Callable) -> type:
+    """A subclass of cls whose __init__ runs cls's then fix(self) (fix
+    class-swaps self or its children)."""
+    def __init__(self, *args, **kwargs):
+        cls.__init__(self, *args, **kwargs)
+        fix(self)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                       "_tensor_ops_patched_from": cls})
+
+
+def _patch_class(modeling, name: str, fix: Callable) -> bool:
+    cls = getattr(modeling, name, None)
+    if cls is None or getattr(cls, "_tensor_ops_patched_from", None) is not None:
+        return cls is not None
+    setattr(modeling, name, _post_init_class(cls, fix))
+    return True
+
+
+# model_type -> modeling module, its RMSNorm, gated MLP, Linear+activation modules, causal-LM class.
+FAMILIES = {
+    "llama": ("llama", "LlamaRMSNorm", "LlamaMLP", (), "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralRMSNorm", "MistralMLP", (), "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2RMSNorm", "Qwen2MLP", (), "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3RMSNorm", "Qwen3MLP", (), "Qwen3ForCausalLM"),
+    "gemma": ("gemma", "GemmaRMSNorm", "GemmaMLP", (), "GemmaForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2RMSNorm", "Gemma2MLP", (), "Gemma2ForCausalLM"),
+    "phi3": ("phi3", "Phi3RMSNorm", "Phi3MLP", (), "Phi3ForCausalLM"),
+    "gpt_neox": ("gpt_neox", None, None, ("GPTNeoXMLP",), "GPTNeoXForCausalLM"),
+    "gpt2": ("gpt2", None, None, ("GPT2MLP",), "GPT2LMHeadModel"),
+    "bert": ("bert", None, None, ("BertIntermediate", "BertPredictionHeadTransform"), None),
+}
+
+# Classes we patched, to undo: (module, name) -> original.
+_PATCHED: Dict[tuple, Any] = {}
+
+
+def _set_global(modeling, name: str, value) -> None:
+    _PATCHED.setdefault((modeling, name), getattr(modeling, name))
+    setattr(modeling, name, value)
+
+
+def apply_tensor_ops_kernel(model_type: str, *, rope: bool = True, rms_norm: bool = True, swiglu: bool = True,
+                            activations: bool = True, fuse_linear: bool = True, attention: bool = True,
+                            cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
+                            layer_norm: bool = True, model: Optional[nn.Module] = None) -> List[str]:
+    """Liger's apply_liger_kernel_to_<model> for one transformers family.
+    Without model: patches transformers.models.<family>'s classes (and its
+    causal-LM forward) so models built afterwards run on our kernels; pass
+    attn_implementation="tensor_ops" when loading (AutoTensorOpsKernelForCausalLM
+    does), the name is registered here. With model (already loaded): the same
+    on that model in place (attention set too). Returns the warnings."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"unknown model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+    mod, norm, mlp, pairs, causal_lm = FAMILIES[model_type]
+    warnings: List[str] = []
+    counts: collections.Counter = collections.Counter()
+    if model is not None:
+        if layer_norm:
+            from .prepare import _swap_modules  # nn.LayerNorm / nn.RMSNorm -> ours (class swap)
+            _swap_modules(model, "", warnings, counts)
+        prepare_hf_model(model, warnings, counts, rope=rope, rms_norm=rms_norm, swiglu=swiglu,
+                         activations=activations, fuse_linear=fuse_linear, attention=attention,
+                         cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy)
+        return warnings
+    modeling = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
+    register_attention()
+    if rope:
+        patch_rope(modeling)
+    sink: collections.Counter = collections.Counter()
+    if rms_norm and norm:
+        _patch_class(modeling, norm, lambda m: _swap_norm(m, norm, warnings, sink))
+    if swiglu and mlp:
+        _patch_class(modeling, mlp, lambda m: _swap_gated_mlp(m, mlp, warnings, sink))
+    if fuse_linear:
+        for p in pairs:
+            _patch_class(modeling, p, lambda m, p=p: _fuse_pair(m, p, warnings, sink))
+    if layer_norm and getattr(modeling.nn, "LayerNorm", None) is nn.LayerNorm and not norm:
+        # HF builds nn.LayerNorm through modeling's `nn`: give it a namespace whose LayerNorm is ours.
+        _set_global(modeling, "nn", types.SimpleNamespace(**{**vars(nn), "LayerNorm": modules.LayerNorm}))
+    mode = _loss_mode(cross_entropy, fused_linear_cross_entropy)
+    if causal_lm and mode:
+        cls = getattr(modeling, causal_lm)
+        if not hasattr(cls.forward, "_tensor_ops_original"):
+            cls.forward = _causal_lm_forward(cls.forward)
+        cls._tensor_ops_loss = mode
+    return warnings
+
+
+def revert_tensor_ops_kernel(model_type: str) -> None:
+    """Undoes apply_tensor_ops_kernel(model_type) (without model=)."""
+    mod, norm, mlp, pairs, causal_lm = FAMILIES[model_type]
+    modeling = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
+    unpatch_rope(modeling)
+    for name in filter(None, (norm, mlp, *pairs)):
+        orig = getattr(getattr(modeling, name), "_tensor_ops_patched_from", None)
+        if orig is not None:
+            setattr(modeling, name, orig)
+    for (m, name), orig in list(_PATCHED.items()):
+        if m is modeling:
+            setattr(m, name, orig)
+            del _PATCHED[(m, name)]
+    if causal_lm:
+        cls = getattr(modeling, causal_lm)
+        if hasattr(cls.forward, "_tensor_ops_original"):
+            cls.forward = cls.forward._tensor_ops_original
+        cls._tensor_ops_loss = None
+
+
+def _family_function(model_type: str) -> Callable:
+    def apply(rope: bool = True, rms_norm: bool = True, swiglu: bool = True, cross_entropy: bool = False,
+              fused_linear_cross_entropy: bool = True, model: Optional[nn.Module] = None, **switches) -> List[str]:
+        return apply_tensor_ops_kernel(model_type, rope=rope, rms_norm=rms_norm, swiglu=swiglu,
+                                       cross_entropy=cross_entropy,
+                                       fused_linear_cross_entropy=fused_linear_cross_entropy, model=model,
+                                       **switches)
+
+    apply.__name__ = apply.__qualname__ = f"apply_tensor_ops_kernel_to_{model_type}"
+    apply.__doc__ = (f"apply_tensor_ops_kernel('{model_type}', ...): Liger's apply_liger_kernel_to_{model_type} "
+                     f"switches (rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy; also "
+                     f"activations, fuse_linear, attention, layer_norm), before loading or with model=.")
+    return apply
+
+
+apply_tensor_ops_kernel_to_llama = _family_function("llama")
+apply_tensor_ops_kernel_to_mistral = _family_function("mistral")
+apply_tensor_ops_kernel_to_qwen2 = _family_function("qwen2")
+apply_tensor_ops_kernel_to_qwen3 = _family_function("qwen3")
+apply_tensor_ops_kernel_to_gemma = _family_function("gemma")
+apply_tensor_ops_kernel_to_gemma2 = _family_function("gemma2")
+apply_tensor_ops_kernel_to_phi3 = _family_function("phi3")
+apply_tensor_ops_kernel_to_gpt_neox = _family_function("gpt_neox")
+apply_tensor_ops_kernel_to_gpt2 = _family_function("gpt2")
+apply_tensor_ops_kernel_to_bert = _family_function("bert")
+
+
+class AutoTensorOpsKernelForCausalLM:
+    """AutoModelForCausalLM with the checkpoint's family patched first
+    (Liger's AutoLigerKernelForCausalLM): from_pretrained(path, rope=...,
+    rms_norm=..., fused_linear_cross_entropy=..., **from_pretrained_kwargs);
+    attn_implementation defaults to "tensor_ops"."""
+
+    _SWITCHES = ("rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy", "activations",
+                 "fuse_linear", "attention", "layer_norm")
+
+    @classmethod
+    def _apply(cls, model_type: str, kwargs: dict) -> None:
+        switches = {k: kwargs.pop(k) for k in cls._SWITCHES if k in kwargs}
+        if model_type in FAMILIES:
+            apply_tensor_ops_kernel(model_type, **switches)
+            if switches.get("attention", True):
+                kwargs.setdefault("attn_implementation", ATTENTION)
+        else:
+            _log.warning("AutoTensorOpsKernelForCausalLM: model_type %r has no tensor_ops patch; loading it as is",
+                         model_type)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        config = transformers.AutoConfig.from_pretrained(pretrained_model_name_or_path,
+                                                         trust_remote_code=kwargs.get("trust_remote_code", False))
+        cls._apply(config.model_type, kwargs)
+        return transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        cls._apply(config.model_type, kwargs)
+        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+__all__ = [
+    "ATTENTION", "ATTENTION_FALLBACKS", "AutoTensorOpsKernelForCausalLM", "FAMILIES", "apply_tensor_ops_kernel",
+    "attention_forward", "prepare_hf_model", "register_attention", "revert_tensor_ops_kernel",
+    *[f"apply_tensor_ops_kernel_to_{f}" for f in FAMILIES],
+]
