@@ -99,7 +99,7 @@ int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
   return 0;
 }
 
-// scratch: row sum (fp32) | weight
+// scratch: row sum (as D) | weight
 template <DType D>
 int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &x = c.inputs[0], &res = c.inputs[1], &w = c.inputs[2], &y = c.outputs[0],
@@ -110,17 +110,18 @@ int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) 
   const double eps = c.scalars[0];
   const bool nt = c.ints[7];
   for (int64_t r = r0; r < r1; ++r) {
-    // One pass over x and residual: their sum, rounded to D (the residual
-    // is normalised as stored), kept in a; squares summed.
+    // One pass over x and residual: their sum rounded to D once and kept in
+    // a as D (the residual is normalised as stored); squares summed. The
+    // new residual is a copied as it is, y is read from it.
     const void *xr = row_of<D>(x, r), *rr = row_of<D>(res, r);
     const double ss = vsum(cols, [&](int64_t i, auto p) {
-      const vf s = round_to<D>(ldx<D>(xr, i, p) + ldx<D>(rr, i, p));
-      p.st(a + i, s);
+      stx<D>(a, i, ldx<D>(xr, i, p) + ldx<D>(rr, i, p), p);
+      const vf s = ldx<D>(a, i, p);
       return s * s;
     });
-    vmapx<D>(row_of<D>(ro, r), cols, nt, [&](int64_t i, auto p) { return p.ld(a + i); });
+    vmapx<D>(row_of<D>(ro, r), cols, nt, [&](int64_t i, auto p) { return ldraw<D>(a, i, p); });
     const float scale = float(1.0 / __builtin_sqrt(ss / double(cols) + eps));
-    vmapx<D>(row_of<D>(y, r), cols, nt, [&](int64_t i, auto p) { return p.ld(a + i) * scale * p.ld(wf + i); });
+    vmapx<D>(row_of<D>(y, r), cols, nt, [&](int64_t i, auto p) { return ldx<D>(a, i, p) * scale * p.ld(wf + i); });
   }
   return 0;
 }
@@ -223,6 +224,12 @@ TENSOR_OPS_VEC_INLINE T sigmoid_div_t(T v) {
   return v < splat<T>(-87.3f) ? splat<T>(0.0f) : 1.0f / (1.0f + exp_t(-v));
 }
 
+// d silu / dx given s = sigmoid(x).
+template <class T>
+TENSOR_OPS_VEC_INLINE T silu_grad_t(T x, T s) {
+  return s * (1.0f + x * (1.0f - s));
+}
+
 // d act / dx on float or vf lanes. At the special values these give torch's
 // answers: NaN at +-inf (an infinite x times a zero factor), and for the
 // tanh form also NaN where x * x overflows (torch's 0 * inf), hence x * x
@@ -230,8 +237,7 @@ TENSOR_OPS_VEC_INLINE T sigmoid_div_t(T v) {
 template <int A, class T>
 TENSOR_OPS_VEC_INLINE T act_grad_t(T x) {
   if constexpr (A == 0) {
-    const T s = sigmoid_div_t(x);
-    return s * (1.0f + x * (1.0f - s));
+    return silu_grad_t(x, sigmoid_div_t(x));
   } else if constexpr (A == 1) {
     const T cdf = 0.5f * erfc_t(x * -0.70710678118654752f);
     return cdf + x * 0.39894228040143268f * exp_flush_t(-0.5f * x * x);
@@ -319,8 +325,14 @@ int glu_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
       constexpr int K = decltype(A)::value;
       auto step = [&](int64_t i, auto p) {
         const vf g = ldx<D>(dyp, i, p), gv = ldx<D>(gp, i, p), uv = ldx<D>(up, i, p);
-        stx<D>(dgp, i, g * uv * act_grad_t<K>(gv), p);
-        stx<D>(dup, i, g * act_t<K>(gv), p);
+        if constexpr (K == 0) {  // silu and its gradient from one sigmoid
+          const vf s = sigmoid_div_t(gv);
+          stx<D>(dgp, i, g * uv * silu_grad_t(gv, s), p);
+          stx<D>(dup, i, g * (gv * s), p);
+        } else {
+          stx<D>(dgp, i, g * uv * act_grad_t<K>(gv), p);
+          stx<D>(dup, i, g * act_t<K>(gv), p);
+        }
       };
       int64_t i = 0;
       for (; i + kVW <= n; i += kVW) step(i, Full{});
