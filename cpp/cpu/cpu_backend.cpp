@@ -256,10 +256,10 @@ to_status run_items(const to_op_call* call) {
   to_op_call c = *call;
   const OpId op = OpId(c.op);
   if (op == OpId::activation_backward || op == OpId::glu || op == OpId::glu_backward) c.ints[3] = all_flat(&c);
-  // Streaming stores for the ops whose kernels honour ints[7] (put()).
+  // Streaming stores for the ops whose kernels honour ints[7] (vmapx).
   const to_tensor& big = op == OpId::cross_entropy ? c.outputs[1] : c.outputs[0];
   c.ints[7] = (op == OpId::add_rms_norm || op == OpId::softmax || op == OpId::glu || op == OpId::layer_norm ||
-               (op == OpId::cross_entropy && c.ints[1])) &&
+               op == OpId::activation_backward || (op == OpId::cross_entropy && c.ints[1])) &&
               big.data && streaming(big.shape[0] * big.shape[1] * int64_t(dtype_size(dt_of(big))));
   const IsaKernels* k = level().load();
   if (op == OpId::attention_backward) {  // two phases: dK / dV per key tile, then dQ per row tile

@@ -22,23 +22,6 @@ constexpr int64_t kBlock = 512;
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// Copies with non-temporal stores: for outputs larger than the caches, they
-// skip the read-for-ownership of every written line (a third of a
-// read+write kernel's traffic). Callers fence with stream_fence().
-inline void stream_copy(const void* src, void* dst, int64_t bytes) {
-  auto* d = static_cast<char*>(dst);
-  const auto* s = static_cast<const char*>(src);
-#ifdef TENSOR_OPS_HAVE_STREAM
-  while (bytes > 0 && (reinterpret_cast<uintptr_t>(d) & 15)) {
-    *d++ = *s++;
-    --bytes;
-  }
-  for (; bytes >= 16; bytes -= 16, d += 16, s += 16)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-#endif
-  for (; bytes > 0; --bytes) *d++ = *s++;
-}
-
 inline void stream_fence() {
 #ifdef TENSOR_OPS_HAVE_STREAM
   _mm_sfence();
@@ -174,10 +157,21 @@ TENSOR_OPS_VEC_INLINE vh hload(const uint16_t* p, Part a) {
 TENSOR_OPS_VEC_INLINE void hstore(uint16_t* p, vh v, Full) { __builtin_memcpy(p, &v, sizeof v); }
 TENSOR_OPS_VEC_INLINE void hstore(uint16_t* p, vh v, Part a) { __builtin_memcpy(p, &v, size_t(a.n) * 2); }
 
+// bf16 -> fp32 is the 16 bits moved to the top of a 32-bit lane: one
+// vpmovzxwd + vpslld (SSE2 has no pmovzxwd: unpacking zeros below each
+// value is the same shift in one instruction).
 template <DType D>
 TENSOR_OPS_VEC_INLINE vf widen(vh h) {
   if constexpr (D == DType::BFloat16) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
+#elif defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32((__m128i)h), 16);
+#elif defined(__SSE2__)
+    return (vf)_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_cvtsi64_si128(__builtin_bit_cast(long long, h)));
+#else
     return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
   } else {
 #if defined(__AVX512F__)
     return (vf)_mm512_cvtph_ps((__m256i)h);
@@ -192,13 +186,49 @@ TENSOR_OPS_VEC_INLINE vf widen(vh h) {
 }
 
 // Round to nearest even, NaN kept quiet (as f32_to_bf16_bits / f32_to_half_bits).
+// bf16: the rounded value is the top half of u + 0x7fff + (bit 16 of u) (an
+// overflow carries into the exponent: inf), a NaN's top half with the quiet
+// bit set; both computed on integer lanes (exact under any MXCSR mode, so
+// subnormals round like normals), then the top halves packed. Not AVX-512-BF16's
+// vcvtneps2bf16: it flushes subnormal inputs to zero, which the other
+// levels and torch do not (and this is a few instructions per register of
+// a kernel bound by memory).
 template <DType D>
 TENSOR_OPS_VEC_INLINE vh narrow(vf v) {
   if constexpr (D == DType::BFloat16) {
+#if defined(__AVX512F__)
+    const __m512i u = (__m512i)v;
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask((__m512)v, (__m512)v, _CMP_UNORD_Q),
+                              _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return (vh)_mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#elif defined(__AVX2__)
+    const __m256i u = (__m256i)v;
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    const __m256i q = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+    const __m256 nan = _mm256_cmp_ps((__m256)v, (__m256)v, _CMP_UNORD_Q);
+    // Shift + extract + pack: measured faster on Zen 3 than vpshufb + vpermq
+    // (2 uops there) or packing two registers at once.
+    const __m256i h = _mm256_srli_epi32((__m256i)_mm256_blendv_ps((__m256)r, (__m256)q, nan), 16);
+    return (vh)_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+#elif defined(__SSE2__)
+    const __m128i u = (__m128i)v;
+    const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    const __m128i r = _mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), lsb);
+    const __m128i q = _mm_or_si128(u, _mm_set1_epi32(0x400000));
+    const __m128i nan = (__m128i)_mm_cmpunord_ps((__m128)v, (__m128)v);
+    // SSE2 packs with signed saturation only: shift arithmetically, so
+    // each top half comes back as the int16 it already is.
+    const __m128i h = _mm_srai_epi32(_mm_or_si128(_mm_andnot_si128(nan, r), _mm_and_si128(nan, q)), 16);
+    return __builtin_bit_cast(vh, _mm_cvtsi128_si64(_mm_packs_epi32(h, h)));
+#else
     const vu u = (vu)v;
     const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     const vu r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded;
     return __builtin_convertvector(r, vh);
+#endif
   } else {
 #if defined(__AVX512F__)
     return (vh)_mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -218,39 +248,50 @@ TENSOR_OPS_VEC_INLINE vf ldx(const void* row, int64_t i, A a) {
   else return widen<D>(hload(static_cast<const uint16_t*>(row) + i, a));
 }
 
+// Element i of a row of D as stored: fp32 lanes, or a register of D's bits
+// (which stx and vmapx store without rounding again).
 template <DType D, class A>
-TENSOR_OPS_VEC_INLINE void stx(void* row, int64_t i, vf v, A a) {
-  if constexpr (D == DType::Float32) a.st(static_cast<float*>(row) + i, v);
-  else hstore(static_cast<uint16_t*>(row) + i, narrow<D>(v), a);
+TENSOR_OPS_VEC_INLINE auto ldraw(const void* row, int64_t i, A a) {
+  if constexpr (D == DType::Float32) return a.ld(static_cast<const float*>(row) + i);
+  else return hload(static_cast<const uint16_t*>(row) + i, a);
 }
 
-// v rounded to D and back (a 16-bit result used again in fp32).
-template <DType D>
-TENSOR_OPS_VEC_INLINE vf round_to(vf v) {
-  if constexpr (D == DType::Float32) return v;
-  else return widen<D>(narrow<D>(v));
+// A 16-bit register of D from v: narrowed from fp32 lanes, or v itself
+// when it already holds D's bits (a row copied without a second rounding).
+template <DType D, class V>
+TENSOR_OPS_VEC_INLINE vh bits_of(V v) {
+  if constexpr (std::is_same_v<V, vh>) return v;
+  else return narrow<D>(v);
+}
+
+// v: fp32 lanes, or (16-bit D) a register of D's bits.
+template <DType D, class V, class A>
+TENSOR_OPS_VEC_INLINE void stx(void* row, int64_t i, V v, A a) {
+  if constexpr (D == DType::Float32) a.st(static_cast<float*>(row) + i, v);
+  else hstore(static_cast<uint16_t*>(row) + i, bits_of<D>(v), a);
 }
 
 // Streaming store of a whole register of D at element i (aligned for it);
 // a plain store where the ISA has no streaming store of that width.
-template <DType D>
-TENSOR_OPS_VEC_INLINE void streamx(void* row, int64_t i, vf v) {
+template <DType D, class V>
+TENSOR_OPS_VEC_INLINE void streamx(void* row, int64_t i, V v) {
   if constexpr (D == DType::Float32) {
     vstream(static_cast<float*>(row) + i, v);
   } else {
     uint16_t* p = static_cast<uint16_t*>(row) + i;
 #if defined(__AVX512F__)
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), (__m256i)narrow<D>(v));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), (__m256i)bits_of<D>(v));
 #elif defined(__AVX__)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), (__m128i)narrow<D>(v));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), (__m128i)bits_of<D>(v));
 #else
-    hstore(p, narrow<D>(v), Full{});
+    hstore(p, bits_of<D>(v), Full{});
 #endif
   }
 }
 
 // row[i..] = f(i, access) over [0, n) for a row of D, a register at a time,
-// written from registers (16-bit narrowed there; no staging buffer). nt:
+// written from registers (fp32 lanes narrowed there, or a register of D's
+// bits stored as it is; no staging buffer). nt:
 // streaming stores, with the body aligned for them (a partial register
 // first; the row is aligned to its element size).
 template <DType D, class F>
@@ -282,42 +323,25 @@ TENSOR_OPS_VEC_INLINE char* row_of(const to_tensor& t, int64_t r) {
 // current one is computed from cache, so memory is never idle).
 TENSOR_OPS_VEC_INLINE void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
-// Storage <-> fp32 for n contiguous elements.
+// Storage <-> fp32 for n contiguous elements, a register at a time (the
+// 16-bit types widened / narrowed in lanes, the tail as a partial register).
 template <DType D>
 inline void load_f32(const void* src, float* dst, int64_t n) {
-  const uint16_t* s = static_cast<const uint16_t*>(src);
   int64_t i = 0;
-  if constexpr (D == DType::BFloat16) {
-    for (; i < n; ++i) dst[i] = bf16_bits_to_f32(s[i]);
-  } else {
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
-#elif defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
-#endif
-    for (; i < n; ++i) dst[i] = half_bits_to_f32(s[i]);
+  for (; i + kVW <= n; i += kVW) vstore(dst + i, ldx<D>(src, i, Full{}));
+  if (i < n) {
+    const Part a{int(n - i)};
+    a.st(dst + i, ldx<D>(src, i, a));
   }
 }
 
 template <DType D>
 inline void store_f32(const float* src, void* dst, int64_t n) {
-  uint16_t* d = static_cast<uint16_t*>(dst);
   int64_t i = 0;
-  if constexpr (D == DType::BFloat16) {
-    for (; i < n; ++i) d[i] = f32_to_bf16_bits(src[i]);
-  } else {
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i),
-                          _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#elif defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#endif
-    for (; i < n; ++i) d[i] = f32_to_half_bits(src[i]);
+  for (; i + kVW <= n; i += kVW) stx<D>(dst, i, vload(src + i), Full{});
+  if (i < n) {
+    const Part a{int(n - i)};
+    stx<D>(dst, i, a.ld(src + i), a);
   }
 }
 
@@ -400,9 +424,7 @@ void gelu(DType dt, const void* x, void* y, int64_t n, int64_t tanh_mode, bool n
 
 void to_float(DType dt, const void* src, float* dst, int64_t n) {
   switch (dt) {
-    case DType::Float32:
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<const float*>(src)[i];
-      break;
+    case DType::Float32: load_f32<DType::Float32>(src, dst, n); break;
     case DType::Float16: load_f32<DType::Float16>(src, dst, n); break;
     case DType::BFloat16: load_f32<DType::BFloat16>(src, dst, n); break;
     default: break;

@@ -6,46 +6,15 @@
 // nonzero code for a bad index found in the data (positions, targets).
 // Math is fp32 throughout; 16-bit inputs are converted row by row.
 
+// n elements of a D row at element off to / from fp32 (a register at a time).
 template <DType D>
 inline void ld(const void* base, int64_t off, int64_t n, float* dst) {
-  if constexpr (D == DType::Float32) {
-    const float* s = static_cast<const float*>(base) + off;
-    for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
-  } else {
-    load_f32<D>(static_cast<const uint16_t*>(base) + off, dst, n);
-  }
+  load_f32<D>(static_cast<const char*>(base) + off * int64_t(dtype_size(D)), dst, n);
 }
 
 template <DType D>
 inline void st(const float* src, void* base, int64_t off, int64_t n) {
-  if constexpr (D == DType::Float32) {
-    float* d = static_cast<float*>(base) + off;
-    for (int64_t i = 0; i < n; ++i) d[i] = src[i];
-  } else {
-    store_f32<D>(src, static_cast<uint16_t*>(base) + off, n);
-  }
-}
-
-// st, with streaming stores when nt (outputs larger than the caches; the
-// dispatcher sets ints[7] and fences after the parallel region).
-template <DType D>
-inline void put(const float* src, void* base, int64_t off, int64_t n, bool nt) {
-  if (!nt) {
-    st<D>(src, base, off, n);
-    return;
-  }
-  constexpr int64_t item = dtype_size(D);
-  alignas(64) uint16_t tmp[kBlock];
-  for (int64_t c = 0; c < n; c += kBlock) {
-    const int64_t m = min64(kBlock, n - c);
-    char* dst = static_cast<char*>(base) + (off + c) * item;
-    if constexpr (D == DType::Float32) {
-      stream_copy(src + c, dst, m * item);
-    } else {
-      store_f32<D>(src + c, tmp, m);
-      stream_copy(tmp, dst, m * item);
-    }
-  }
+  store_f32<D>(src, static_cast<char*>(base) + off * int64_t(dtype_size(D)), n);
 }
 
 inline double sum_f(const float* v, int64_t n) {
@@ -130,7 +99,7 @@ int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
   return 0;
 }
 
-// scratch: row sum (fp32) | weight
+// scratch: row sum (as D) | weight
 template <DType D>
 int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &x = c.inputs[0], &res = c.inputs[1], &w = c.inputs[2], &y = c.outputs[0],
@@ -141,17 +110,18 @@ int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) 
   const double eps = c.scalars[0];
   const bool nt = c.ints[7];
   for (int64_t r = r0; r < r1; ++r) {
-    // One pass over x and residual: their sum, rounded to D (the residual
-    // is normalised as stored), kept in a; squares summed.
+    // One pass over x and residual: their sum rounded to D once and kept in
+    // a as D (the residual is normalised as stored); squares summed. The
+    // new residual is a copied as it is, y is read from it.
     const void *xr = row_of<D>(x, r), *rr = row_of<D>(res, r);
     const double ss = vsum(cols, [&](int64_t i, auto p) {
-      const vf s = round_to<D>(ldx<D>(xr, i, p) + ldx<D>(rr, i, p));
-      p.st(a + i, s);
+      stx<D>(a, i, ldx<D>(xr, i, p) + ldx<D>(rr, i, p), p);
+      const vf s = ldx<D>(a, i, p);
       return s * s;
     });
-    vmapx<D>(row_of<D>(ro, r), cols, nt, [&](int64_t i, auto p) { return p.ld(a + i); });
+    vmapx<D>(row_of<D>(ro, r), cols, nt, [&](int64_t i, auto p) { return ldraw<D>(a, i, p); });
     const float scale = float(1.0 / __builtin_sqrt(ss / double(cols) + eps));
-    vmapx<D>(row_of<D>(y, r), cols, nt, [&](int64_t i, auto p) { return p.ld(a + i) * scale * p.ld(wf + i); });
+    vmapx<D>(row_of<D>(y, r), cols, nt, [&](int64_t i, auto p) { return ldx<D>(a, i, p) * scale * p.ld(wf + i); });
   }
   return 0;
 }
@@ -246,26 +216,35 @@ TENSOR_OPS_VEC_INLINE T act_t(T x) {
   else return gelu_tanh_t(x);
 }
 
-template <int A>
-TENSOR_OPS_VEC_INLINE float act_f32(float x) {
-  return act_t<A>(x);
+// sigmoid(v) with a true divide: the gradients' 1 - s must be exactly 0
+// where s saturates (torch's NaN at +inf, 0 at huge x), which the lanes'
+// reciprocal estimate (1 - 2^-24 at 1) would break.
+template <class T>
+TENSOR_OPS_VEC_INLINE T sigmoid_div_t(T v) {
+  return v < splat<T>(-87.3f) ? splat<T>(0.0f) : 1.0f / (1.0f + exp_t(-v));
 }
 
-// d act / dx. At the special values these give torch's answers: NaN at
-// +-inf (an infinite x times a zero factor), and for the tanh form also NaN
-// where x * x overflows (torch's 0 * inf), hence x * x computed first.
-template <int A>
-TENSOR_OPS_VEC_INLINE float act_grad_f32(float x) {
+// d silu / dx given s = sigmoid(x).
+template <class T>
+TENSOR_OPS_VEC_INLINE T silu_grad_t(T x, T s) {
+  return s * (1.0f + x * (1.0f - s));
+}
+
+// d act / dx on float or vf lanes. At the special values these give torch's
+// answers: NaN at +-inf (an infinite x times a zero factor), and for the
+// tanh form also NaN where x * x overflows (torch's 0 * inf), hence x * x
+// computed first.
+template <int A, class T>
+TENSOR_OPS_VEC_INLINE T act_grad_t(T x) {
   if constexpr (A == 0) {
-    const float s = sigmoid_f32(x);
-    return s * (1.0f + x * (1.0f - s));
+    return silu_grad_t(x, sigmoid_div_t(x));
   } else if constexpr (A == 1) {
-    const float cdf = 0.5f * erfc_f32(x * -0.70710678118654752f);
-    return cdf + x * 0.39894228040143268f * exp_flush_f32(-0.5f * x * x);
+    const T cdf = 0.5f * erfc_t(x * -0.70710678118654752f);
+    return cdf + x * 0.39894228040143268f * exp_flush_t(-0.5f * x * x);
   } else {
     const float k = 0.79788456080286536f;
-    const float u = k * (x + 0.044715f * x * x * x);
-    const float s = sigmoid_f32(2.0f * u);
+    const T u = k * (x + 0.044715f * x * x * x);
+    const T s = sigmoid_div_t(2.0f * u);
     return s + x * s * (1.0f - s) * 2.0f * k * (1.0f + 3.0f * 0.044715f * (x * x));
   }
 }
@@ -297,17 +276,21 @@ inline void for_spans(const to_op_call& c, int64_t i0, int64_t i1, F f) {
         c.n_inputs > 2 ? r * c.inputs[2].strides[0] + s : 0, r * c.outputs[0].strides[0] + s, min64(kBlock, cols - s));
 }
 
+// The backward units read and write in registers (16-bit widened and
+// narrowed there, no fp32 row buffer); outputs may alias inputs at the same
+// index (each register is read before it is written).
 template <DType D>
 int activation_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
-  const int64_t a = c.ints[0];
-  alignas(64) float g[kBlock], xv[kBlock];
+  constexpr int64_t item = dtype_size(D);
   for_spans(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t n) {
-    ld<D>(c.inputs[0].data, o0, n, g);
-    ld<D>(c.inputs[1].data, o1, n, xv);
-    with_activation(a, [&](auto A) {
-      for (int64_t i = 0; i < n; ++i) g[i] *= act_grad_f32<decltype(A)::value>(xv[i]);
+    const void* gp = static_cast<const char*>(c.inputs[0].data) + o0 * item;
+    const void* xp = static_cast<const char*>(c.inputs[1].data) + o1 * item;
+    void* yp = static_cast<char*>(c.outputs[0].data) + oy * item;
+    with_activation(c.ints[0], [&](auto A) {
+      vmapx<D>(yp, n, c.ints[7], [&](int64_t i, auto p) {
+        return ldx<D>(gp, i, p) * act_grad_t<decltype(A)::value>(ldx<D>(xp, i, p));
+      });
     });
-    st<D>(g, c.outputs[0].data, oy, n);
   });
   return 0;
 }
@@ -316,8 +299,6 @@ template <DType D>
 int glu_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
   const int64_t a = c.ints[0];
   for_spans(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t n) {
-    // Read and written in registers (16-bit widened and narrowed there).
-    // out may be gate or up itself (each register is read before it is written).
     constexpr int64_t item = dtype_size(D);
     const void* gp = static_cast<const char*>(c.inputs[0].data) + o0 * item;
     const void* up = static_cast<const char*>(c.inputs[1].data) + o1 * item;
@@ -333,22 +314,30 @@ int glu_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
 template <DType D>
 int glu_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
   const int64_t a = c.ints[0];
-  alignas(64) float g[kBlock], gv[kBlock], uv[kBlock];
   // inputs: dy, gate, up; outputs: dgate, dup (same layout as dy when flat).
   const int64_t cols = c.inputs[0].shape[1];
+  constexpr int64_t item = dtype_size(D);
+  auto at = [](const to_tensor& t, int64_t off) { return static_cast<char*>(t.data) + off * item; };
   auto run = [&](int64_t ody, int64_t og, int64_t ou, int64_t odg, int64_t odu, int64_t n) {
-    ld<D>(c.inputs[0].data, ody, n, g);
-    ld<D>(c.inputs[1].data, og, n, gv);
-    ld<D>(c.inputs[2].data, ou, n, uv);
+    const void *dyp = at(c.inputs[0], ody), *gp = at(c.inputs[1], og), *up = at(c.inputs[2], ou);
+    void *dgp = at(c.outputs[0], odg), *dup = at(c.outputs[1], odu);
     with_activation(a, [&](auto A) {
-      for (int64_t i = 0; i < n; ++i) {
-        const float act = act_f32<decltype(A)::value>(gv[i]), d = act_grad_f32<decltype(A)::value>(gv[i]);
-        gv[i] = g[i] * uv[i] * d;
-        uv[i] = g[i] * act;
-      }
+      constexpr int K = decltype(A)::value;
+      auto step = [&](int64_t i, auto p) {
+        const vf g = ldx<D>(dyp, i, p), gv = ldx<D>(gp, i, p), uv = ldx<D>(up, i, p);
+        if constexpr (K == 0) {  // silu and its gradient from one sigmoid
+          const vf s = sigmoid_div_t(gv);
+          stx<D>(dgp, i, g * uv * silu_grad_t(gv, s), p);
+          stx<D>(dup, i, g * (gv * s), p);
+        } else {
+          stx<D>(dgp, i, g * uv * act_grad_t<K>(gv), p);
+          stx<D>(dup, i, g * act_t<K>(gv), p);
+        }
+      };
+      int64_t i = 0;
+      for (; i + kVW <= n; i += kVW) step(i, Full{});
+      if (i < n) step(i, Part{int(n - i)});
     });
-    st<D>(gv, c.outputs[0].data, odg, n);
-    st<D>(uv, c.outputs[1].data, odu, n);
   };
   if (c.ints[3]) {
     for (int64_t s = i0; s < i1; s += kBlock) run(s, s, s, s, s, min64(kBlock, i1 - s));

@@ -189,10 +189,7 @@ TENSOR_OPS_VEC_INLINE T gelu_tanh_t(T x) {
 }
 
 TENSOR_OPS_VEC_INLINE float exp_f32(float x) { return exp_t(x); }
-TENSOR_OPS_VEC_INLINE float exp_flush_f32(float x) { return exp_flush_t(x); }
-TENSOR_OPS_VEC_INLINE float sigmoid_f32(float x) { return sigmoid_t(x); }
 TENSOR_OPS_VEC_INLINE float silu_f32(float x) { return silu_t(x); }
-TENSOR_OPS_VEC_INLINE float erfc_f32(float x) { return erfc_t(x); }
 TENSOR_OPS_VEC_INLINE float gelu_erf_f32(float x) { return gelu_erf_t(x); }
 TENSOR_OPS_VEC_INLINE float gelu_tanh_f32(float x) { return gelu_tanh_t(x); }
 
