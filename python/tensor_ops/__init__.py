@@ -46,6 +46,7 @@ from .pools import allocate_tensor, clear_pool, get_memory_stats, pool_stats, re
 from .hardware import HardwareDetector, HardwareProfile, HardwareType, backend_info, detect_hardware
 from .config import TensorOpsConfig, configure, get_config
 from .linear_cross_entropy import fused_linear_cross_entropy
+from ._sdk import cmake_dir, get_include
 
 __version__ = "0.1.0"
 
@@ -171,6 +172,8 @@ __all__ = _ops_all + [
     "configure",
     "get_config",
     "fused_linear_cross_entropy",
+    "cmake_dir",
+    "get_include",
 ]
 
 # Malformed TENSOR_OPS_* variables (TENSOR_OPS_NUM_THREADS=4abc, ...) are

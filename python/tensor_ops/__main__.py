@@ -114,7 +114,16 @@ def main(argv=None) -> int:
     p.add_argument("--shape", type=int, nargs=2, default=[2048, 4096], metavar=("ROWS", "COLS"))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="small shape, few repetitions")
+    p.add_argument("--cmake-dir", action="store_true",
+                   help="print the folder of tensor_opsConfig.cmake (for -Dtensor_ops_DIR=...) and exit")
+    p.add_argument("--include", action="store_true", help="print the C/C++ include folder and exit")
     args = p.parse_args(argv)
+    if args.cmake_dir or args.include:
+        if args.cmake_dir:
+            print(tensor_ops.cmake_dir())
+        if args.include:
+            print(tensor_ops.get_include())
+        return 0
     if args.quick:
         args.shape, args.reps = [64, 1024], 3
 
