@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_PACKAGE = Path(__file__).resolve().parent
+from . import _C
+
+# The installed files lie beside the compiled module (in an editable install
+# that is site-packages, not the source tree this file is in).
+_PACKAGE = Path(_C.__file__).parent
 
 
 def cmake_dir() -> str:
