@@ -1,7 +1,5 @@
 #include "cl_check.h"
 
-#include <CL/cl_ext.h>
-
 #include <cstring>
 
 namespace tensor_ops::opencl {
@@ -81,13 +79,12 @@ const char* cl_error_name(cl_int code) {
     TENSOR_OPS_CL_NAME(CL_INVALID_COMPILER_OPTIONS)
     TENSOR_OPS_CL_NAME(CL_INVALID_LINKER_OPTIONS)
     TENSOR_OPS_CL_NAME(CL_INVALID_DEVICE_PARTITION_COUNT)
+    TENSOR_OPS_CL_NAME(CL_INVALID_PIPE_SIZE)
+    TENSOR_OPS_CL_NAME(CL_INVALID_DEVICE_QUEUE)
+    TENSOR_OPS_CL_NAME(CL_INVALID_SPEC_ID)
+    TENSOR_OPS_CL_NAME(CL_MAX_SIZE_RESTRICTION_EXCEEDED)
     TENSOR_OPS_CL_NAME(CL_PLATFORM_NOT_FOUND_KHR)
 #undef TENSOR_OPS_CL_NAME
-    // Codes of newer OpenCL versions (the build targets 1.2 headers).
-    case -69: return "CL_INVALID_PIPE_SIZE";
-    case -70: return "CL_INVALID_DEVICE_QUEUE";
-    case -71: return "CL_INVALID_SPEC_ID";
-    case -72: return "CL_MAX_SIZE_RESTRICTION_EXCEEDED";
   }
   return "unknown OpenCL error";
 }

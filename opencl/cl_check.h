@@ -2,7 +2,7 @@
 // Errors of the OpenCL plugin: one check macro for every OpenCL call. A
 // failed call becomes the thread's last error ("call returned code (NAME) at
 // opencl/file.cpp:line") and a to_status; nothing here throws or aborts.
-#include <CL/cl.h>
+#include "cl_api.h"
 
 #include <string>
 

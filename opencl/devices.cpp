@@ -1,7 +1,5 @@
 #include "devices.h"
 
-#include <CL/cl_ext.h>
-
 #include <algorithm>
 
 #include "programs.h"
@@ -86,6 +84,10 @@ int type_rank(cl_device_type t) {
 
 Enumeration enumerate() {
   Enumeration e;
+  if (!load_opencl(&e.reason)) {
+    e.status = TO_ERR_BACKEND_UNAVAILABLE;
+    return e;
+  }
   cl_uint n_platforms = 0;
   cl_int err = clGetPlatformIDs(0, nullptr, &n_platforms);
   if (err == CL_SUCCESS && n_platforms == 0) err = CL_PLATFORM_NOT_FOUND_KHR;

@@ -2,7 +2,7 @@
 // The OpenCL devices of every platform, found once, best first (GPUs, then
 // accelerators, then CPUs), each with a context and an in-order queue made
 // on first use. Never destroyed: tensors may outlive static destruction.
-#include <CL/cl.h>
+#include "cl_api.h"
 
 #include <atomic>
 #include <cstdint>

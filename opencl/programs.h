@@ -1,7 +1,7 @@
 #pragma once
 // The kernels of one (device, dtype): the embedded program built with that
 // dtype's defines on first use, from the binary cache when it holds it.
-#include <CL/cl.h>
+#include "cl_api.h"
 
 #include <mutex>
 

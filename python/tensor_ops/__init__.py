@@ -46,6 +46,8 @@ from .pools import allocate_tensor, clear_pool, get_memory_stats, pool_stats, re
 from .hardware import HardwareDetector, HardwareProfile, HardwareType, backend_info, detect_hardware
 from .config import TensorOpsConfig, configure, get_config
 from .linear_cross_entropy import fused_linear_cross_entropy
+from ._sdk import cmake_dir, get_include
+from ._types import Approximate, Array
 
 __version__ = "0.1.0"
 
@@ -84,7 +86,7 @@ def _unary(fn, x, out, *extra):
     return call(fn, [a], out, *extra)
 
 
-def rms_norm(x, weight, eps: float = 1e-6, *, out=None):
+def rms_norm(x: Array, weight: Array, eps: float = 1e-6, *, out: Array | None = None) -> Array:
     """x / sqrt(mean(x**2, last dim) + eps) * weight, accumulated in fp32."""
     if out is None and type(eps) is float:
         if type(x) is _ndarray and x.dtype in _FAST_NP and x.nbytes < _POOL_BYTES and type(weight) is _ndarray:
@@ -105,12 +107,12 @@ def rms_norm(x, weight, eps: float = 1e-6, *, out=None):
     return call(_C.rms_norm, [a, w], out, eps)
 
 
-def silu(x, *, out=None):
+def silu(x: Array, *, out: Array | None = None) -> Array:
     """x * sigmoid(x)."""
     return _unary(_C.silu, x, out)
 
 
-def gelu(x, approximate: str = "none", *, out=None):
+def gelu(x: Array, approximate: Approximate = "none", *, out: Array | None = None) -> Array:
     """GELU: approximate="none" uses erf, "tanh" the tanh approximation."""
     return _unary(_C.gelu, x, out, _checks.choice("approximate", approximate, ("none", "tanh")))
 
@@ -124,7 +126,7 @@ for _name in _route.OPS:
 del _name
 _route.note_torch()
 
-__all__ = _ops_all + [
+__all__ = [
     "Tensor",
     "empty",
     "zeros",
@@ -171,7 +173,12 @@ __all__ = _ops_all + [
     "configure",
     "get_config",
     "fused_linear_cross_entropy",
+    "cmake_dir",
+    "get_include",
 ]
+# Extended, not concatenated: mypy reads `__all__ +=` (--strict exports only
+# what __all__ names).
+__all__ += _ops_all
 
 # Malformed TENSOR_OPS_* variables (TENSOR_OPS_NUM_THREADS=4abc, ...) are
 # not fatal: the core uses a default and says so here, once, at import.

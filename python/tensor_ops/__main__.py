@@ -1,128 +1,339 @@
 """python -m tensor_ops: the main job.
 
-Detects devices and backends, runs every op on every usable backend, checks
-each against a numpy float64 reference, and prints a speed table against
-numpy and torch eager (when installed), measured side by side in this run.
+Detects devices and backends, runs every op on every usable backend (or the
+one --backend names), checks each against a numpy float64 reference, and
+prints a speed table against numpy, torch eager and torch.compile (when
+installed) with each implementation's share of the memory bandwidth (a
+STREAM triad), all measured side by side in this run. --json writes every
+number, --plot a bar chart of the bandwidth shares.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import statistics
 import sys
 import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 import tensor_ops
+from tensor_ops._cli_progress import track
 
 try:
     import torch
+    import torch.nn.functional as F
 except ImportError:
     torch = None
+
+EPS_RMS, EPS_LN = 1e-6, 1e-5
+TRIAD_ELEMENTS = 1 << 25  # 128 MiB of float32 per array: well past any L3
+TRIAD_ELEMENTS_QUICK = 1 << 23
 
 
 def _erf64(x):
     return np.vectorize(math.erf, otypes=[np.float64])(x)
 
 
-def references():
-    return {
-        "rms_norm": lambda x, w: (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)) * w,
-        "silu": lambda x, w: x / (1 + np.exp(-x)),
-        "gelu": lambda x, w: 0.5 * x * (1 + _erf64(x / math.sqrt(2))),
-        "gelu_tanh": lambda x, w: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
-        "layer_norm": lambda x, w: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * w,
-        "softmax": lambda x, w: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(
-            -1, keepdims=True),
-        "swiglu": lambda x, w: x / (1 + np.exp(-x)) * w,
-        "add_rms_norm": lambda x, w: (2 * x / np.sqrt(np.mean(4 * x * x, -1, keepdims=True) + 1e-6)) * w,
-    }
+def _rms64(x, w):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + EPS_RMS) * w
 
 
-def ours():
-    return {
-        "rms_norm": lambda x, w, out: tensor_ops.rms_norm(x, w, 1e-6, out=out),
-        "silu": lambda x, w, out: tensor_ops.silu(x, out=out),
-        "gelu": lambda x, w, out: tensor_ops.gelu(x, out=out),
-        "gelu_tanh": lambda x, w, out: tensor_ops.gelu(x, "tanh", out=out),
-        "layer_norm": lambda x, w, out: tensor_ops.layer_norm(x, w, None, 1e-5, out=out),
-        "softmax": lambda x, w, out: tensor_ops.softmax(x),
-        "swiglu": lambda x, w, out: tensor_ops.swiglu(x, _broadcast(w, x), out=out),
-        "add_rms_norm": lambda x, w, out: tensor_ops.add_rms_norm(x, x, w)[0],
-    }
+def _silu(x):
+    return x / (1 + np.exp(-x))
 
 
-def _broadcast(w, x):
-    """w repeated to x's shape (the 'up' input of swiglu in the check)."""
-    if torch is not None and isinstance(x, torch.Tensor):
-        return w.expand_as(x).contiguous()
-    return np.ascontiguousarray(np.broadcast_to(w, x.shape))
+@dataclasses.dataclass
+class Op:
+    """One op of the job: its inputs (x: [rows, cols]; u: a second array of
+    x's shape; w: a [cols] weight), the full-size arrays it moves (for GB/s),
+    a float64 reference of its first output, and each implementation (each
+    call returns fresh outputs, as `y = op(x)` does)."""
+    name: str
+    inputs: str
+    arrays: int
+    reference: Callable
+    ours: Callable
+    numpy: Optional[Callable] = None
+    torch: Optional[Callable] = None
 
 
-def numpy_impls():
-    def rms(x, w, out):
-        np.multiply(x / np.sqrt(np.mean(x * x, -1, keepdims=True) + np.float32(1e-6)), w, out=out)
+def ops() -> List[Op]:
+    def np_rms(x, w):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + np.float32(EPS_RMS)) * w
 
-    def silu(x, w, out):
-        np.divide(x, 1 + np.exp(-x), out=out)
+    def np_layer_norm(x, w):
+        m = x.mean(-1, keepdims=True)
+        return (x - m) / np.sqrt(x.var(-1, keepdims=True) + np.float32(EPS_LN)) * w
 
-    def gelu_tanh(x, w, out):
-        c = np.float32(math.sqrt(2 / math.pi))
-        np.multiply(0.5 * x, 1 + np.tanh(c * (x + np.float32(0.044715) * x * x * x)), out=out)
-
-    def softmax(x, w, out):
+    def np_softmax(x):
         e = np.exp(x - x.max(-1, keepdims=True))
-        np.divide(e, e.sum(-1, keepdims=True), out=out)
+        return e / e.sum(-1, keepdims=True)
 
-    return {"rms_norm": rms, "silu": silu, "gelu_tanh": gelu_tanh, "softmax": softmax}
+    def np_gelu_tanh(x):
+        c = np.float32(math.sqrt(2 / math.pi))
+        return 0.5 * x * (1 + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+
+    def np_add_rms(x, u, w):
+        r = x + u
+        return np_rms(r, w), r
+
+    def t_add_rms(x, u, w):
+        r = x + u
+        return F.rms_norm(r, (r.shape[-1],), w, EPS_RMS), r
+
+    t = torch is not None
+    return [
+        Op("rms_norm", "xw", 2, _rms64, lambda x, w: tensor_ops.rms_norm(x, w, EPS_RMS), np_rms,
+           (lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS_RMS)) if t else None),
+        Op("silu", "x", 2, _silu, tensor_ops.silu, lambda x: x / (1 + np.exp(-x)), F.silu if t else None),
+        Op("gelu", "x", 2, lambda x: 0.5 * x * (1 + _erf64(x / math.sqrt(2))), tensor_ops.gelu, None,
+           F.gelu if t else None),
+        Op("gelu_tanh", "x", 2,
+           lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+           lambda x: tensor_ops.gelu(x, "tanh"), np_gelu_tanh,
+           (lambda x: F.gelu(x, approximate="tanh")) if t else None),
+        Op("layer_norm", "xw", 2,
+           lambda x, w: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + EPS_LN) * w,
+           lambda x, w: tensor_ops.layer_norm(x, w, None, EPS_LN), np_layer_norm,
+           (lambda x, w: F.layer_norm(x, (x.shape[-1],), w, None, EPS_LN)) if t else None),
+        Op("softmax", "x", 2, lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(
+            x - x.max(-1, keepdims=True)).sum(-1, keepdims=True), tensor_ops.softmax, np_softmax,
+           (lambda x: torch.softmax(x, -1)) if t else None),
+        Op("swiglu", "xu", 3, lambda x, u: _silu(x) * u, tensor_ops.swiglu, lambda x, u: x / (1 + np.exp(-x)) * u,
+           (lambda x, u: F.silu(x) * u) if t else None),
+        Op("add_rms_norm", "xuw", 4, lambda x, u, w: _rms64(x + u, w), lambda x, u, w: tensor_ops.add_rms_norm(
+            x, u, w, EPS_RMS), np_add_rms, t_add_rms if t else None),
+    ]
 
 
-def torch_impls():
-    F = torch.nn.functional
-    return {
-        "rms_norm": lambda x, w, out: out.copy_(F.rms_norm(x, (x.shape[-1],), w, 1e-6)),
-        "silu": lambda x, w, out: torch.ops.aten.silu.out(x, out=out),
-        "gelu": lambda x, w, out: torch.ops.aten.gelu.out(x, out=out),
-        "gelu_tanh": lambda x, w, out: torch.ops.aten.gelu.out(x, approximate="tanh", out=out),
-        "layer_norm": lambda x, w, out: out.copy_(F.layer_norm(x, (x.shape[-1],), w, None, 1e-5)),
-        "softmax": lambda x, w, out: torch.softmax(x, -1, out=out),
-    }
+def first(y):
+    return y[0] if isinstance(y, tuple) else y
 
 
-def median_time(fn, reps):
+def rel_err(got, ref) -> float:
+    return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
+def time_samples(fn: Callable[[], Any], reps: int) -> List[float]:
     fn()
-    times = []
+    out = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        out.append(time.perf_counter() - t0)
+    return out
 
 
-def print_table(header, rows):
+def spread(samples: List[float]) -> Dict[str, float]:
+    q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+    return {"median_s": statistics.median(samples), "p25_s": q[0], "p75_s": q[2]}
+
+
+def make_triad(elements: int) -> Tuple[Callable[[], Any], Dict[str, Any]]:
+    """STREAM triad a = b + s*c and the bytes it moves (3 arrays, as STREAM
+    counts them; numpy has no fused triad: two passes move 5)."""
+    if torch is not None:
+        a, b, c = torch.empty(elements), torch.full((elements,), 1.0), torch.full((elements,), 2.0)
+        return (lambda: torch.add(b, c, alpha=3.0, out=a)), {
+            "impl": f"torch.add(out=), {torch.get_num_threads()} threads", "bytes": 3 * 4 * elements}
+    a, b, c = (np.empty(elements, np.float32), np.full(elements, 1.0, np.float32),
+               np.full(elements, 2.0, np.float32))
+
+    def triad():
+        np.multiply(c, 3.0, out=a)
+        np.add(a, b, out=a)
+
+    return triad, {"impl": "numpy (2 passes), 1 thread", "bytes": 5 * 4 * elements}
+
+
+def print_table(header, rows) -> None:
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
     print(line(header))
     print("  ".join("-" * w for w in widths))
     for r in rows:
         print(line(r))
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tensor_ops", description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs=2, default=[2048, 4096], metavar=("ROWS", "COLS"))
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--quick", action="store_true", help="small shape, few repetitions")
+    p.add_argument("--quick", action="store_true", help="small shape, few repetitions, a smaller triad")
+    p.add_argument("--backend", metavar="NAME", help="run only this backend (see the Backends table)")
+    p.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the speed table")
+    p.add_argument("--json", metavar="FILE", help="write the checks, timings and triad as JSON")
+    p.add_argument("--plot", metavar="FILE", help="plot each op's %% of the measured bandwidth (matplotlib)")
+    p.add_argument("--cmake-dir", action="store_true",
+                   help="print the folder of tensor_opsConfig.cmake (for -Dtensor_ops_DIR=...) and exit")
+    p.add_argument("--include", action="store_true", help="print the C/C++ include folder and exit")
     args = p.parse_args(argv)
     if args.quick:
         args.shape, args.reps = [64, 1024], 3
+    return args
 
+
+def select_backends(name: Optional[str]) -> List[str]:
+    for _ in track(["loading plugins, listing devices"], "probing backends"):
+        all_backends = tensor_ops.backends()
+        tensor_ops.devices()
+    if name is None:
+        return [b.name for b in all_backends if b.usable]
+    for b in all_backends:
+        if b.name == name:
+            if not b.usable:
+                raise SystemExit(f"--backend {name}: not usable here: {b.reason}")
+            return [name]
+    raise SystemExit(f"--backend {name}: no such backend (have: {', '.join(b.name for b in all_backends)})")
+
+
+def check(backends: List[str], table: List[Op], inputs64, inputs32, failed: List[bool]):
+    rows, unsupported = [], set()
+    torch_dtypes = [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)] if torch is not None else []
+    for backend in backends:
+        with tensor_ops.use(backend):
+            # The first call on a backend builds its kernels (OpenCL programs,
+            # the SYCL JIT): seconds, so it is a step of its own.
+            for op in track(table, f"checking on {backend}", lambda o: o.name):
+                args = [inputs32[c] for c in op.inputs]
+                ref = op.reference(*[inputs64[c] for c in op.inputs])
+                try:
+                    got = first(op.ours(*args))
+                except NotImplementedError:
+                    unsupported.add((backend, op.name))
+                    rows.append({"backend": backend, "op": op.name, "dtype": "-", "error": None,
+                                 "ok": None, "note": "not implemented by this backend"})
+                    continue
+                err = rel_err(np.asarray(got, np.float64), ref)
+                rows.append({"backend": backend, "op": op.name, "dtype": "float32", "error": err, "ok": err < 1e-5})
+                for dt, tol in torch_dtypes:
+                    targs = [torch.from_numpy(inputs32[c]).to(dt) for c in op.inputs]
+                    tref = op.reference(*[a.double().numpy() for a in targs])
+                    err = rel_err(first(op.ours(*targs)).double().numpy(), tref)
+                    rows.append({"backend": backend, "op": op.name, "dtype": str(dt).split(".")[-1],
+                                 "error": err, "ok": err < tol})
+    failed[0] = any(r["ok"] is False for r in rows)
+    return rows, unsupported
+
+
+def implementations(backends, unsupported, table: List[Op], inputs32, use_compile: bool):
+    """(op, label, backend, call) for every implementation timed; compile
+    failures come back as notes."""
+    impls, notes = [], []
+    targs = {c: torch.from_numpy(a) for c, a in inputs32.items()} if torch is not None else {}
+    for op in table:
+        args = [inputs32[c] for c in op.inputs]
+        for b in backends:
+            if (b, op.name) not in unsupported:
+                impls.append((op.name, f"tensor_ops[{b}]", b, lambda f=op.ours, a=args: f(*a)))
+        if op.numpy is not None:
+            impls.append((op.name, "numpy", None, lambda f=op.numpy, a=args: f(*a)))
+        if op.torch is not None:
+            ta = [targs[c] for c in op.inputs]
+            impls.append((op.name, "torch eager", None, lambda f=op.torch, a=ta: f(*a)))
+    if torch is not None and use_compile:
+        compiled = [op for op in table if op.torch is not None]
+        for op in track(compiled, "torch.compile", lambda o: o.name):
+            ta = [targs[c] for c in op.inputs]
+            torch._dynamo.reset()
+            try:
+                fn = torch.compile(op.torch, fullgraph=True, dynamic=False)
+                fn(*ta)  # compiles: seconds
+            except Exception as e:  # any compile failure: say so and go on without it
+                notes.append(f"torch.compile {op.name}: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}")
+                continue
+            impls.append((op.name, "torch.compile", None, lambda f=fn, a=ta: f(*a)))
+    order = {op.name: i for i, op in enumerate(table)}
+    impls.sort(key=lambda i: order[i[0]])
+    return impls, notes
+
+
+def speed(backends, unsupported, table: List[Op], inputs32, args) -> Dict[str, Any]:
+    impls, notes = implementations(backends, unsupported, table, inputs32, not args.no_compile)
+    triad, triad_meta = make_triad(TRIAD_ELEMENTS_QUICK if args.quick else TRIAD_ELEMENTS)
+    triad_samples: List[float] = []
+    results = []
+    arrays = {op.name: op.arrays for op in table}
+    nbytes_x = inputs32["x"].nbytes
+    # The triad interleaved with the ops: its bandwidth is the machine's at
+    # the time the ops ran.
+    for op_name, label, backend, call in track(impls, "timing", lambda i: f"{i[0]} / {i[1]}"):
+        triad_samples += time_samples(triad, 1)
+        if backend:
+            with tensor_ops.use(backend):
+                samples = time_samples(call, args.reps)
+        else:
+            samples = time_samples(call, args.reps)
+        s = spread(samples)
+        nbytes = arrays[op_name] * nbytes_x
+        results.append({"op": op_name, "impl": label, "bytes": nbytes, **s, "gbps": nbytes / s["median_s"] / 1e9})
+    triad_s = spread(triad_samples)
+    triad_gbps = triad_meta["bytes"] / triad_s["median_s"] / 1e9
+    for r in results:
+        base = {x["impl"]: x["median_s"] for x in results if x["op"] == r["op"]}
+        r["vs_torch_eager"] = base["torch eager"] / r["median_s"] if "torch eager" in base else None
+        r["vs_torch_compile"] = base["torch.compile"] / r["median_s"] if "torch.compile" in base else None
+        r["pct_triad"] = 100 * r["gbps"] / triad_gbps
+    return {"results": results, "notes": notes,
+            "triad": {**triad_meta, **triad_s, "gbps": triad_gbps, "samples": len(triad_samples)}}
+
+
+def plot(path: str, sp: Dict[str, Any], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = sp["results"]
+    op_names = list(dict.fromkeys(r["op"] for r in results))
+    labels = list(dict.fromkeys(r["impl"] for r in results))
+    height = 0.8 / max(len(labels), 1)
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.45 * len(op_names) * max(len(labels), 2) / 2))
+    for j, label in enumerate(labels):
+        ys, xs = [], []
+        for i, name in enumerate(op_names):
+            for r in results:
+                if r["op"] == name and r["impl"] == label:
+                    ys.append(i + (j - (len(labels) - 1) / 2) * height)
+                    xs.append(r["pct_triad"])
+        ax.barh(ys, xs, height=height, label=label)
+    ax.axvline(100, color="black", linewidth=0.8, linestyle="--")
+    ax.set_yticks(range(len(op_names)))
+    ax.set_yticklabels(op_names)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"% of the measured STREAM triad bandwidth ({sp['triad']['gbps']:.1f} GB/s, "
+                  f"{sp['triad']['impl']})")
+    ax.set_title(title)
+    ax.legend(fontsize="small", loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.cmake_dir or args.include:
+        if args.cmake_dir:
+            print(tensor_ops.cmake_dir())
+        if args.include:
+            print(tensor_ops.get_include())
+        return 0
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 2
+
+    backends = select_backends(args.backend)
     print("== Backends")
-    print_table(
-        ["backend", "compiled", "usable", "priority", "reason"],
-        [[b.name, b.compiled, b.usable, b.priority, b.reason or "-"] for b in tensor_ops.backends()],
-    )
+    print_table(["backend", "compiled", "usable", "priority", "reason"],
+                [[b.name, b.compiled, b.usable, b.priority, b.reason or "-"] for b in tensor_ops.backends()])
     print("\n== Devices")
     for d in tensor_ops.devices():
         props = ", ".join(f"{k}={v}" for k, v in d.properties.items())
@@ -133,79 +344,51 @@ def main(argv=None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"\nbackend selection failed: {e}", file=sys.stderr)
         return 2
-    print(f"\nSelected backend: {selected}")
+    print(f"\nSelected backend: {selected}; running on: {', '.join(backends)}")
 
     rows, cols = args.shape
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((rows, cols)).astype(np.float32)
-    w = rng.standard_normal(cols).astype(np.float32)
-    x64, w64 = x.astype(np.float64), w.astype(np.float64)
-    refs = references()
-    usable = [b.name for b in tensor_ops.backends() if b.usable]
+    inputs32 = {"x": rng.standard_normal((rows, cols)).astype(np.float32),
+                "u": rng.standard_normal((rows, cols)).astype(np.float32),
+                "w": rng.standard_normal(cols).astype(np.float32)}
+    inputs64 = {k: v.astype(np.float64) for k, v in inputs32.items()}
+    table = ops()
 
     print(f"\n== Correctness vs numpy float64 ({rows}x{cols}, float32, and float16 / bfloat16 via torch)")
-    check_rows, failed = [], False
-    unsupported = set()  # (backend, op) pairs a backend does not implement
-    for backend in usable:
-        with tensor_ops.use(backend):
-            for name, fn in ours().items():
-                ref = refs[name](x64, w64)
-                try:
-                    got = fn(x, w, np.empty_like(x)).astype(np.float64)
-                except NotImplementedError:
-                    unsupported.add((backend, name))
-                    check_rows.append([backend, name, "-", "-", "not implemented by this backend"])
-                    continue
-                err = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
-                ok = err < 1e-5
-                failed |= not ok
-                check_rows.append([backend, name, "float32", f"{err:.2e}", "ok" if ok else "FAIL"])
-                if torch is not None:
-                    for dt, tol in [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)]:
-                        xt, wt = torch.from_numpy(x).to(dt), torch.from_numpy(w).to(dt)
-                        ref_t = refs[name](xt.double().numpy(), wt.double().numpy())
-                        got_t = fn(xt, wt, torch.empty_like(xt)).double().numpy()
-                        err = float(np.max(np.abs(got_t - ref_t)) / max(np.max(np.abs(ref_t)), 1e-30))
-                        ok = err < tol
-                        failed |= not ok
-                        check_rows.append([backend, name, str(dt).split(".")[-1], f"{err:.2e}",
-                                           "ok" if ok else "FAIL"])
-    print_table(["backend", "op", "dtype", "max err / max|ref|", "check"], check_rows)
+    failed = [False]
+    checks, unsupported = check(backends, table, inputs64, inputs32, failed)
+    print_table(["backend", "op", "dtype", "max err / max|ref|", "check"],
+                [[c["backend"], c["op"], c["dtype"], "-" if c["error"] is None else f"{c['error']:.2e}",
+                  c.get("note") or ("ok" if c["ok"] else "FAIL")] for c in checks])
 
-    print(f"\n== Speed, {rows}x{cols} float32, median of {args.reps} (output preallocated), GB/s = (read x + write y) / time")
-    nbytes = 2 * x.nbytes
-    impls = {f"tensor_ops[{b}]": (b, ours()) for b in usable}
-    impls["numpy"] = (None, numpy_impls())
-    if torch is not None:
-        impls["torch eager"] = (None, torch_impls())
-    xt = torch.from_numpy(x) if torch is not None else None
-    wt = torch.from_numpy(w) if torch is not None else None
-    speed_rows = []
-    for name in ours():
-        base = None
-        results = []
-        for label, (backend, table) in impls.items():
-            if name not in table:
-                continue
-            if backend and (backend, name) in unsupported:
-                continue
-            is_torch = label == "torch eager"
-            xi, wi = (xt, wt) if is_torch else (x, w)
-            out = torch.empty_like(xt) if is_torch else np.empty_like(x)
-            fn = lambda: table[name](xi, wi, out)
-            if backend:
-                with tensor_ops.use(backend):
-                    t = median_time(fn, args.reps)
-            else:
-                t = median_time(fn, args.reps)
-            results.append((label, t))
-            if label == "torch eager":
-                base = t
-        for label, t in results:
-            ratio = f"{base / t:.2f}x" if base else "-"
-            speed_rows.append([name, label, f"{t * 1e3:.3f}", f"{nbytes / t / 1e9:.1f}", ratio])
-    print_table(["op", "implementation", "ms", "GB/s", "speed vs torch eager"], speed_rows)
-    if failed:
+    sp = speed(backends, unsupported, table, inputs32, args)
+    tr = sp["triad"]
+    print(f"\n== Speed, {rows}x{cols} float32, median of {args.reps} (each call returns fresh outputs); "
+          f"GB/s = arrays read + written / time; STREAM triad in this run: {tr['gbps']:.1f} GB/s ({tr['impl']}, "
+          f"median of {tr['samples']}); an op whose arrays fit in cache can pass 100%")
+    fmt = lambda v: "n/a" if v is None else f"{v:.2f}x"  # noqa: E731
+    print_table(["op", "implementation", "ms", "p25-p75 ms", "GB/s", "% triad", "vs torch eager", "vs torch.compile"],
+                [[r["op"], r["impl"], f"{r['median_s'] * 1e3:.3f}",
+                  f"{r['p25_s'] * 1e3:.3f}-{r['p75_s'] * 1e3:.3f}", f"{r['gbps']:.1f}", f"{r['pct_triad']:.0f}%",
+                  fmt(r["vs_torch_eager"]), fmt(r["vs_torch_compile"])] for r in sp["results"]])
+    for note in sp["notes"]:
+        print(f"note: {note}")
+    if torch is None:
+        print("note: torch is not installed: no torch eager / torch.compile columns")
+
+    if args.json:
+        report = {"shape": [rows, cols], "reps": args.reps, "backends_run": backends,
+                  "backends": [b.to_dict() for b in tensor_ops.backends()],
+                  "devices": [d.to_dict() for d in tensor_ops.devices()], "checks": checks, "speed": sp,
+                  "torch": None if torch is None else torch.__version__, "tensor_ops": tensor_ops.__version__}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        plot(args.plot, sp, f"tensor_ops: {rows}x{cols} float32, median of {args.reps}"
+                            f"{' (in cache: can pass 100%)' if args.quick else ''}")
+        print(f"wrote {args.plot}")
+    if failed[0]:
         print("\nSome checks FAILED", file=sys.stderr)
         return 1
     return 0

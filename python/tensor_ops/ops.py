@@ -5,11 +5,13 @@ the caller's kind of array, on the caller's device."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from . import _C, _checks
 from ._arrays import Arg, empty_like, fast_call, run
+from ._types import Approximate, Array, CausalAlignment, Reduction
 from .errors import InvalidArgumentError
 
 
@@ -21,7 +23,8 @@ def _approx(approximate) -> str:
     return _checks.choice("approximate", approximate, ("none", "tanh"))
 
 
-def layer_norm(x, weight, bias=None, eps: float = 1e-5, *, out=None):
+def layer_norm(x: Array, weight: Array, bias: Array | None = None, eps: float = 1e-5, *,
+               out: Array | None = None) -> Array:
     """(x - mean) / sqrt(var + eps) * weight + bias over the last dim."""
     if out is None and type(eps) is float:
         if bias is None:
@@ -41,7 +44,7 @@ def _layer_norm_no_bias(x, weight, out, eps):
     return _C.layer_norm(x, weight, None, out, eps)
 
 
-def add_rms_norm(x, residual, weight, eps: float = 1e-6):
+def add_rms_norm(x: Array, residual: Array, weight: Array, eps: float = 1e-6) -> tuple[Array, Array]:
     """Fused residual add + RMSNorm in one pass: returns
     (rms_norm(x + residual, weight), x + residual)."""
     if type(eps) is float:
@@ -54,7 +57,7 @@ def add_rms_norm(x, residual, weight, eps: float = 1e-6):
     return out, res_out
 
 
-def rms_norm_backward(dy, x, weight, eps: float = 1e-6):
+def rms_norm_backward(dy: Array, x: Array, weight: Array, eps: float = 1e-6) -> tuple[Array, Array]:
     """Gradients of rms_norm: (dx, dweight)."""
     g, a, w = Arg(dy, "dy"), Arg(x, "x"), Arg(weight, "weight")
     dx, dw = empty_like(a), empty_like(w)
@@ -62,7 +65,8 @@ def rms_norm_backward(dy, x, weight, eps: float = 1e-6):
     return dx, dw
 
 
-def layer_norm_backward(dy, x, weight, eps: float = 1e-5, *, bias: bool = True):
+def layer_norm_backward(dy: Array, x: Array, weight: Array, eps: float = 1e-5, *,
+                        bias: bool = True) -> tuple[Array, Array, Array | None]:
     """Gradients of layer_norm: (dx, dweight, dbias) (dbias None without bias)."""
     g, a, w = Arg(dy, "dy"), Arg(x, "x"), Arg(weight, "weight")
     dx, dw = empty_like(a), empty_like(w)
@@ -114,7 +118,8 @@ def _softmax(x, dim, scale, causal, log, causal_alignment="bottom_right"):
     return back(out)
 
 
-def softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False, *, causal_alignment: str = "bottom_right"):
+def softmax(x: Array, dim: int = -1, scale: float = 1.0, causal: bool = False, *,
+            causal_alignment: CausalAlignment = "bottom_right") -> Array:
     """softmax(scale * x) along dim, numerically stable. causal masks
     [..., i, j] for j > i + (cols - rows) (causal_alignment "bottom_right")
     or j > i ("top_left"); a row that sees no column is all 0 (torch's
@@ -122,8 +127,8 @@ def softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False, *, causa
     return _softmax(x, dim, scale, causal, False, causal_alignment)
 
 
-def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False, *,
-                causal_alignment: str = "bottom_right"):
+def log_softmax(x: Array, dim: int = -1, scale: float = 1.0, causal: bool = False, *,
+                causal_alignment: CausalAlignment = "bottom_right") -> Array:
     """log(softmax(scale * x)) along dim; a causal row that sees no column
     is all -inf (the log of softmax's 0)."""
     return _softmax(x, dim, scale, causal, True, causal_alignment)
@@ -140,12 +145,12 @@ def _softmax_bwd(dy, y, dim, scale, log):
     return back(dx)
 
 
-def softmax_backward(dy, y, dim: int = -1, scale: float = 1.0):
+def softmax_backward(dy: Array, y: Array, dim: int = -1, scale: float = 1.0) -> Array:
     """Gradient of y = softmax(scale * x) given y."""
     return _softmax_bwd(dy, y, dim, scale, False)
 
 
-def log_softmax_backward(dy, y, dim: int = -1, scale: float = 1.0):
+def log_softmax_backward(dy: Array, y: Array, dim: int = -1, scale: float = 1.0) -> Array:
     return _softmax_bwd(dy, y, dim, scale, True)
 
 
@@ -156,12 +161,12 @@ def _act_bwd(dy, x, act, approximate):
     return dx
 
 
-def silu_backward(dy, x):
+def silu_backward(dy: Array, x: Array) -> Array:
     """d silu(x) * dy."""
     return _act_bwd(dy, x, "silu", "none")
 
 
-def gelu_backward(dy, x, approximate: str = "none"):
+def gelu_backward(dy: Array, x: Array, approximate: Approximate = "none") -> Array:
     return _act_bwd(dy, x, "gelu", approximate)
 
 
@@ -176,12 +181,12 @@ def _glu(gate, up, act, approximate, out):
     return out
 
 
-def swiglu(gate, up, *, out=None):
+def swiglu(gate: Array, up: Array, *, out: Array | None = None) -> Array:
     """silu(gate) * up in one pass."""
     return _glu(gate, up, "silu", "none", out)
 
 
-def geglu(gate, up, approximate: str = "none", *, out=None):
+def geglu(gate: Array, up: Array, approximate: Approximate = "none", *, out: Array | None = None) -> Array:
     """gelu(gate) * up in one pass."""
     return _glu(gate, up, "gelu", approximate, out)
 
@@ -193,12 +198,12 @@ def _glu_bwd(dy, gate, up, act, approximate):
     return dg, du
 
 
-def swiglu_backward(dy, gate, up):
+def swiglu_backward(dy: Array, gate: Array, up: Array) -> tuple[Array, Array]:
     """(dgate, dup) of swiglu."""
     return _glu_bwd(dy, gate, up, "silu", "none")
 
 
-def geglu_backward(dy, gate, up, approximate: str = "none"):
+def geglu_backward(dy: Array, gate: Array, up: Array, approximate: Approximate = "none") -> tuple[Array, Array]:
     return _glu_bwd(dy, gate, up, "gelu", approximate)
 
 
@@ -241,7 +246,7 @@ def _rope(x, cos, sin, positions, interleaved, inverse):
     return out
 
 
-def rope(x, cos, sin, positions=None, interleaved: bool = False):
+def rope(x: Array, cos: Array, sin: Array, positions: Array | None = None, interleaved: bool = False) -> Array:
     """Rotary embedding of x [batch, seq, heads, head_dim] with cos/sin tables
     [max_position, rotary_dim / 2]; positions [seq] or [batch, seq] (default
     0..seq-1). interleaved=False: GPT-NeoX (rotate halves); True: GPT-J
@@ -249,7 +254,8 @@ def rope(x, cos, sin, positions=None, interleaved: bool = False):
     return _rope(x, cos, sin, positions, interleaved, False)
 
 
-def rope_backward(dy, cos, sin, positions=None, interleaved: bool = False):
+def rope_backward(dy: Array, cos: Array, sin: Array, positions: Array | None = None,
+                  interleaved: bool = False) -> Array:
     """The gradient of rope: rotation by the opposite angle."""
     return _rope(dy, cos, sin, positions, interleaved, True)
 
@@ -261,8 +267,8 @@ def _scale(scale, shape):
     return 1.0 / math.sqrt(shape[3]) if scale is None else _checks.real("scale", scale)
 
 
-def attention(q, k, v, causal: bool = False, scale: float | None = None, *, return_lse: bool = False,
-              causal_alignment: str = "bottom_right"):
+def attention(q: Array, k: Array, v: Array, causal: bool = False, scale: float | None = None, *,
+              return_lse: bool = False, causal_alignment: CausalAlignment = "bottom_right") -> Any:
     """softmax(scale * q k^T) v, memory-efficient (online softmax), layout
     [batch, heads, seq, head_dim]; k/v may have fewer heads (grouped-query:
     kv heads divide q heads). causal_alignment "bottom_right" (the default):
@@ -280,8 +286,9 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, *, retu
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None, *,
-                       causal_alignment: str = "bottom_right"):
+def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, causal: bool = False,
+                       scale: float | None = None, *,
+                       causal_alignment: CausalAlignment = "bottom_right") -> tuple[Array, Array, Array]:
     """(dq, dk, dv) of attention, given its out and lse."""
     ad, aq, ak, av, ao, al = (Arg(t, n) for t, n in
                               [(dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse")])
@@ -339,8 +346,8 @@ def _ce(logits, target, ignore_index, reduction, grad, label_smoothing=0.0, z_lo
     return (total / n_valid if n_valid else total * float("nan")), dlogits
 
 
-def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean", *,
-                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None):
+def cross_entropy(logits: Array, target: Array, ignore_index: int = -100, reduction: Reduction = "mean", *,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None) -> Any:
     """Cross-entropy of logits [N, C] against class indices [N]
     (ignore_index rows count for nothing). label_smoothing as torch's;
     z_loss adds z_loss * logsumexp^2 per row (PaLM); softcap replaces the
@@ -348,9 +355,9 @@ def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "me
     return _ce(logits, target, ignore_index, reduction, False, label_smoothing, z_loss, softcap)[0]
 
 
-def cross_entropy_with_grad(logits, target, ignore_index: int = -100, reduction: str = "mean", *,
-                            label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                            inplace: bool = False):
+def cross_entropy_with_grad(logits: Array, target: Array, ignore_index: int = -100, reduction: Reduction = "mean",
+                            *, label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                            inplace: bool = False) -> tuple[Any, Array]:
     """(loss, dlogits) in one pass: the gradient of the reduced loss is
     written while the row is in cache. inplace=True writes it into the
     logits' own buffer and returns logits as dlogits (Liger's memory

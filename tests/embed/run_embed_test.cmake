@@ -21,10 +21,18 @@ endfunction()
 file(REMOVE_RECURSE "${WORK_DIR}")
 set(prefix "${WORK_DIR}/prefix")
 run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${prefix}" --component tensor_ops_sdk --config "${CONFIG}")
+# A plain build installs the usual layout; a Python build (the wheel's) all
+# inside the package folder tensor_ops/, which is then the prefix to search.
+set(root "${prefix}")
+set(libdir lib)
+if(EXISTS "${prefix}/tensor_ops/lib/cmake/tensor_ops")
+  set(root "${prefix}/tensor_ops")
+  set(libdir .)
+endif()
 # The package must be complete: config, version file, targets, headers, the core.
 foreach(f lib/cmake/tensor_ops/tensor_opsConfig.cmake lib/cmake/tensor_ops/tensor_opsConfigVersion.cmake
-    include/tensor_ops/tensor_ops.h include/tensor_ops/ops.h lib/libtensor_ops.so)
-  if(NOT EXISTS "${prefix}/${f}")
+    include/tensor_ops/tensor_ops.h include/tensor_ops/ops.h include/tensor_ops/plugin.h ${libdir}/libtensor_ops.so)
+  if(NOT EXISTS "${root}/${f}")
     message(FATAL_ERROR "embed test: the install is missing ${f}")
   endif()
 endforeach()
@@ -32,12 +40,12 @@ endforeach()
 file(GLOB plugins "${BUILD_DIR}/libtensor_ops_*.so")
 foreach(p ${plugins})
   get_filename_component(name "${p}" NAME)
-  if(NOT EXISTS "${prefix}/lib/${name}")
+  if(NOT EXISTS "${root}/${libdir}/${name}")
     message(FATAL_ERROR "embed test: plugin ${name} was built but not installed beside libtensor_ops.so")
   endif()
 endforeach()
 run(${CMAKE_COMMAND} -S "${CMAKE_CURRENT_LIST_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
-  "-DCMAKE_BUILD_TYPE=${CONFIG}" "-DCMAKE_PREFIX_PATH=${prefix}" "-DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF"
+  "-DCMAKE_BUILD_TYPE=${CONFIG}" "-DCMAKE_PREFIX_PATH=${root}" "-DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF"
   "-DCMAKE_C_COMPILER=${C_COMPILER}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}"
   "-DCMAKE_C_FLAGS=${C_FLAGS}" "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}" "-DCMAKE_EXE_LINKER_FLAGS=${LINKER_FLAGS}")
 run(${CMAKE_COMMAND} --build "${WORK_DIR}/build" --config "${CONFIG}")

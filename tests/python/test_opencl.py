@@ -470,6 +470,32 @@ def test_no_icd_reports_unusable_with_reason_and_cpu_still_runs(tmp_path):
     assert out["backend"] == "cpu" and "opencl" not in out["devices"] and out["max_err"] < 1e-5
 
 
+def test_no_icd_loader_reports_unusable_with_reason_and_cpu_still_runs(tmp_path):
+    # The plugin opens the ICD loader at run time: without one (here a path
+    # that does not exist) it is compiled but unusable, and says why.
+    missing = tmp_path / "libOpenCL.so.1"
+    r = run_py("""
+        import json, numpy as np, tensor_ops
+        b = [b for b in tensor_ops.backends() if b.name == "opencl"][0]
+        x = np.linspace(-4, 4, 64, dtype=np.float32)
+        print(json.dumps({"status": b.to_dict(), "backend": tensor_ops.get_backend(),
+                          "max_err": float(np.abs(tensor_ops.silu(x) - x / (1 + np.exp(-x))).max())}))
+    """, TENSOR_OPS_OPENCL_LIBRARY=str(missing))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    s = out["status"]
+    assert s["compiled"] and not s["usable"], s
+    assert s["reason"].startswith(f"no OpenCL ICD loader ({missing}: "), s["reason"]
+    assert out["backend"] == "cpu" and out["max_err"] < 1e-5
+
+
+def test_plugin_links_no_opencl_library():
+    # Built without OpenCL headers or libOpenCL: the loader is dlopen'ed.
+    r = subprocess.run(["readelf", "-d", STATUS.library], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"readelf unavailable: {r.stderr}")
+    assert "libOpenCL" not in r.stdout, r.stdout
+
 # --- the LLM op set on opencl:0 (the conformance suites test_ops_llm.py run
 # it staged from numpy; here: resident tensors, in place, the work-group
 # paths a GPU takes, data-dependent errors, 16-bit edges) ---
