@@ -123,7 +123,8 @@ def main():
     if hip:
         flags += ["-DTENSOR_OPS_HIP", "-D__HIPCC__"]
     if args.asan:
-        flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+        # -fsanitize-sections: the static __shared__ objects (section emu_shared) get redzones too.
+        flags += ["-fsanitize=address", "-fsanitize-sections=emu_shared", "-fno-omit-frame-pointer"]
 
     deps = []
     for d in (os.path.join(HERE, "include"), os.path.join(REPO, "cuda"), os.path.join(REPO, "hip"),

@@ -414,6 +414,16 @@ std::string dim_str(dim3 d) {
   return "(" + std::to_string(d.x) + "," + std::to_string(d.y) + "," + std::to_string(d.z) + ")";
 }
 
+// The linker's bounds of the static __shared__ objects of this library.
+extern "C" char __start_emu_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_emu_shared[] __attribute__((weak, visibility("hidden")));
+
+// Not instrumented: under ASan the section holds the objects' redzones too.
+__attribute__((no_sanitize_address, noinline)) void fill_static_shared() {
+  if (!__start_emu_shared) return;
+  for (volatile char* p = __start_emu_shared; p < __stop_emu_shared; ++p) *p = char(0xff);
+}
+
 // Runs one block to completion; returns the fault, empty when none.
 std::string run_block(const Launch& L, uint3 bidx, char* smem) {
   const int n = int(L.block.x * L.block.y * L.block.z);
@@ -448,7 +458,15 @@ std::string run_block(const Launch& L, uint3 bidx, char* smem) {
       continue;
     }
     if (b.live == 0) break;
-    if (b.at_barrier == b.live) {  // everyone still running is at the barrier
+    if (b.at_barrier == b.live && b.live < n) {
+      // Some threads exited and the rest wait at a barrier: undefined in CUDA
+      // (the guide: a barrier in conditional code must be reached by the
+      // whole block), a hang on some hardware.
+      b.fault = "__syncthreads() reached by " + std::to_string(b.live) + " threads after " +
+                std::to_string(n - b.live) + " of the block exited (a barrier in divergent code)";
+      break;
+    }
+    if (b.at_barrier == b.live) {  // every thread is at the barrier
       ++b.rounds;
       b.at_barrier = 0;
       for (Thread& t : *b.threads)
@@ -485,6 +503,7 @@ void run_launch(const Launch& L) {
     for (unsigned y = 0; y < L.grid.y && pending_fault.empty(); ++y)
       for (unsigned x = 0; x < L.grid.x; ++x) {
         std::memset(smem, 0xff, L.smem);
+        fill_static_shared();
         std::string f = run_block(L, uint3{x, y, z}, smem);
         if (!f.empty()) {
           std::fprintf(stderr, "tensor_ops GPU emulator: %s\n", f.c_str());

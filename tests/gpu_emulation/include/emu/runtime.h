@@ -166,8 +166,11 @@ inline LaunchConfig launcher(const char* name, dim3 grid, dim3 block, size_t sme
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-// Static shared memory: one object for the block (blocks run one at a time).
-#define __shared__ static
+// Static shared memory: one object for the block (blocks run one at a time),
+// all in the section emu_shared, which every block starts with filled with
+// 0xff bytes (NaN in every float type), so a read before the block wrote
+// never sees what an earlier block or launch left there.
+#define __shared__ __attribute__((section("emu_shared"))) static
 #define threadIdx (::emu::thread_idx())
 #define blockIdx (::emu::block_idx)
 #define blockDim (::emu::block_dim)
