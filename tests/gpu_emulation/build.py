@@ -2,14 +2,16 @@
 """Builds the emulated CUDA (warp 32) or HIP (wave 64) plugin from the real
 cuda/ sources with the host g++ (see README.md).
 
-cuda/backend.cpp and cuda/common.cuh compile as they are. The kernel files
-cuda/*.cu are copied into the build directory with two mechanical rewrites
-(the sources in cuda/ are never touched; #line keeps diagnostics and ASan
-reports pointing at cuda/):
+cuda/backend.cpp compiles as it is (copied beside the rewritten files). The
+kernel files cuda/*.cu and cuda/common.cuh are copied into the build
+directory with three mechanical rewrites (the sources in cuda/ are never
+touched; #line keeps diagnostics and ASan reports pointing at cuda/):
   kernel<<<grid, block, smem, stream>>>(args)
       -> ::emu::launcher("kernel", grid, block, smem, stream)(
              [](auto... emu_a) { kernel(emu_a...); }, args)
   extern __shared__ T name[];  ->  T* name = ::emu::dynamic_shared<T>();
+  __shared__ T name[N];  ->  __shared__ T name[N]; EMU_SHARED_OBJECT(name)
+      (registers the object, refilled with 0xff bytes for every block)
 The kernels include include/cuda_runtime.h (or, for HIP, hip/vendor.h
 includes include/hip/hip_runtime.h): the emulated device and runtime.
 """
@@ -65,6 +67,7 @@ def rewrite_launches(text, where):
     return "".join(out), count
 
 
+STATIC_SHARED = re.compile(r"(?<!extern )__shared__\s+([\w:]+)\s+(\w+)((?:\s*\[[^\]]*\])*)\s*;")
 EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
 
 
@@ -73,13 +76,14 @@ def rewrite(src, dst):
         text = f.read()
     text, launches = rewrite_launches(text, src)
     text, shared = EXTERN_SHARED.subn(r"\1* \2 = ::emu::dynamic_shared<\1>();", text)
+    text, static = STATIC_SHARED.subn(r"__shared__ \1 \2\3; EMU_SHARED_OBJECT(\2)", text)
     if "<<<" in text or re.search(r"extern\s+__shared__", text):
         sys.exit(f"build.py: {src}: a launch or extern __shared__ was left unrewritten")
     body = f'#line 1 "{src}"\n' + text
     if not os.path.exists(dst) or open(dst).read() != body:
         with open(dst, "w") as f:
             f.write(body)
-    return launches, shared
+    return launches, shared + static
 
 
 def newest(paths):
@@ -109,7 +113,12 @@ def main():
         launches, _ = rewrite(os.path.join(REPO, "cuda", k), dst)
         total_launches += launches
         units.append((dst, os.path.join(out, k + ".o"), True))
-    units.append((os.path.join(REPO, "cuda", "backend.cpp"), os.path.join(out, "backend.o"), False))
+    # common.cuh gets the __shared__ rewrite too; backend.cpp is copied as it
+    # is, so that it includes that common.cuh like the kernel files do.
+    rewrite(os.path.join(REPO, "cuda", "common.cuh"), os.path.join(out, "src", "common.cuh"))
+    backend = os.path.join(out, "src", "backend.cpp")
+    rewrite(os.path.join(REPO, "cuda", "backend.cpp"), backend)
+    units.append((backend, os.path.join(out, "backend.o"), False))
     units.append((os.path.join(HERE, "src", "emu.cpp"), os.path.join(out, "emu.o"), False))
     units.append((os.path.join(HERE, "src", "loader.cpp"), os.path.join(out, "loader.o"), False))
 
@@ -123,8 +132,7 @@ def main():
     if hip:
         flags += ["-DTENSOR_OPS_HIP", "-D__HIPCC__"]
     if args.asan:
-        # -fsanitize-sections: the static __shared__ objects (section emu_shared) get redzones too.
-        flags += ["-fsanitize=address", "-fsanitize-sections=emu_shared", "-fno-omit-frame-pointer"]
+        flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
 
     deps = []
     for d in (os.path.join(HERE, "include"), os.path.join(REPO, "cuda"), os.path.join(REPO, "hip"),

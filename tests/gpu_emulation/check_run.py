@@ -5,6 +5,7 @@ run there in every float dtype, forward and backward (the plugins' op log,
 TENSOR_OPS_EMU_OPLOG). Prints the counts per backend."""
 import argparse
 import collections
+import os
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -45,7 +46,8 @@ def main():
             c["passed"] += 1
 
     ran = collections.defaultdict(set)
-    for line in open(a.oplog) if a.oplog else []:
+    log = open(a.oplog).read().splitlines() if os.path.exists(a.oplog) else []
+    for line in log:
         parts = line.split()
         if len(parts) == 3:
             ran[parts[0]].add((parts[1], parts[2]))

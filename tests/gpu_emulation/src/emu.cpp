@@ -154,6 +154,8 @@ struct Block {
 
 thread_local Block* cur_block = nullptr;
 thread_local std::vector<Thread> thread_pool;  // with their stacks, reused by every launch
+std::mutex shared_mutex;
+std::vector<std::pair<char*, size_t>> shared_objects;  // the static __shared__ objects seen so far
 
 void asan_start(void** fake, const void* bottom, size_t size) {
 #if EMU_ASAN
@@ -347,6 +349,13 @@ void syncthreads() {
   yield();
 }
 
+bool shared_object(void* object, size_t bytes) {
+  std::lock_guard<std::mutex> lock(shared_mutex);
+  shared_objects.emplace_back(static_cast<char*>(object), bytes);
+  std::memset(object, 0xff, bytes);  // the first block that declares it reads garbage too
+  return true;
+}
+
 void* dynamic_shared_base() { return cur_block ? cur_block->smem : nullptr; }
 
 uint64_t warp_collective(const char* kind, uint64_t mask, uint64_t value, int arg, int width) {
@@ -414,14 +423,9 @@ std::string dim_str(dim3 d) {
   return "(" + std::to_string(d.x) + "," + std::to_string(d.y) + "," + std::to_string(d.z) + ")";
 }
 
-// The linker's bounds of the static __shared__ objects of this library.
-extern "C" char __start_emu_shared[] __attribute__((weak, visibility("hidden")));
-extern "C" char __stop_emu_shared[] __attribute__((weak, visibility("hidden")));
-
-// Not instrumented: under ASan the section holds the objects' redzones too.
-__attribute__((no_sanitize_address, noinline)) void fill_static_shared() {
-  if (!__start_emu_shared) return;
-  for (volatile char* p = __start_emu_shared; p < __stop_emu_shared; ++p) *p = char(0xff);
+void fill_static_shared() {
+  std::lock_guard<std::mutex> lock(shared_mutex);
+  for (const auto& o : shared_objects) std::memset(o.first, 0xff, o.second);
 }
 
 // Runs one block to completion; returns the fault, empty when none.

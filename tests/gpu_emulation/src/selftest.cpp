@@ -26,6 +26,7 @@ static int failures = 0;
 // barrier between the writes and the read: a race.
 __global__ void block_sum(int* out, bool sync) {
   __shared__ int vals[256];
+  EMU_SHARED_OBJECT(vals)  // what build.py's rewrite adds
   vals[threadIdx.x] = int(threadIdx.x);
   if (sync) __syncthreads();
   if (threadIdx.x == blockDim.x - 1 || threadIdx.x == 0) {

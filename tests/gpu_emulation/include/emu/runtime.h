@@ -101,6 +101,7 @@ extern thread_local dim3 block_dim, grid_dim;
 const uint3& thread_idx();
 void syncthreads();
 void* dynamic_shared_base();
+bool shared_object(void* object, size_t bytes);
 // A warp collective: every active lane of the calling lane's warp gives
 // `value`; when all have, lane i gets result(i, values of all lanes, lanes).
 // kind names the collective (lanes of one warp must agree on it).
@@ -166,11 +167,16 @@ inline LaunchConfig launcher(const char* name, dim3 grid, dim3 block, size_t sme
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-// Static shared memory: one object for the block (blocks run one at a time),
-// all in the section emu_shared, which every block starts with filled with
-// 0xff bytes (NaN in every float type), so a read before the block wrote
-// never sees what an earlier block or launch left there.
-#define __shared__ __attribute__((section("emu_shared"))) static
+// Static shared memory: one object for the block (blocks run one at a time).
+// build.py rewrites `__shared__ T name[N];` in the kernel sources into
+// `static T name[N]; EMU_SHARED_OBJECT(name)`, which registers the object:
+// every block starts with the registered objects filled with 0xff bytes (NaN
+// in every float type), so a read before the block wrote never sees what an
+// earlier block or launch left there.
+#define __shared__ static
+#define EMU_SHARED_OBJECT(name) \
+  static const bool emu_shared_##name = ::emu::shared_object(&name, sizeof(name)); \
+  (void)emu_shared_##name;
 #define threadIdx (::emu::thread_idx())
 #define blockIdx (::emu::block_idx)
 #define blockDim (::emu::block_dim)
