@@ -1,0 +1,3 @@
+// Emulator stand-in for ROCm hip_bfloat16 (see ../../README.md).
+#pragma once
+#include "emu/half.h"
