@@ -400,8 +400,8 @@ def fast_call(fn, x, peers, n_out, *extra):
     t = type(x)
     if t in TORCH_TYPES and not x.requires_grad:
         dt = x.dtype
-        for p in peers:
-            if p is not None and (type(p) is not t or p.dtype != dt or p.requires_grad):
+        for p in peers:  # a weight is usually an nn.Parameter: any plain torch type is a peer
+            if p is not None and (type(p) not in TORCH_TYPES or p.dtype != dt or p.requires_grad):
                 return None
         try:
             made = fn(x, *peers, *_NONES[n_out], *extra)

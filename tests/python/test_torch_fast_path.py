@@ -89,3 +89,14 @@ def test_large_outputs_still_come_from_the_pool_path():
     # Python layer allocates; the answer is the same.
     x = torch.randn(2048, 4097)
     torch.testing.assert_close(tensor_ops.silu(x), F.silu(x))
+
+
+def test_parameters_as_peers_take_the_fast_path():
+    # A module's weight is an nn.Parameter (requires_grad off under no_grad /
+    # inference): the op must not drop to the general path for it.
+    x = torch.randn(2, 16)
+    p = torch.nn.Parameter(torch.rand(16) + 0.5, requires_grad=False)
+    from tensor_ops import _arrays
+    y = _arrays.fast_call(_C.rms_norm, x, (p,), 1, 1e-6)
+    assert y is not None
+    torch.testing.assert_close(y, F.rms_norm(x, (16,), p, 1e-6))
