@@ -44,11 +44,19 @@ template <DType D>
 int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &x = c.inputs[0], &w = c.inputs[1], &b = c.inputs[2], &y = c.outputs[0];
   const int64_t cols = x.shape[1];
-  float *wf = scratch, *bf = scratch + cols;
-  ld<D>(w.data, 0, cols, wf);
-  if (c.ints[0]) ld<D>(b.data, 0, cols, bf);
-  else
-    for (int64_t i = 0; i < cols; ++i) bf[i] = 0;
+  // fp32 weight and bias are read in place; 16-bit ones converted once per
+  // chunk (a chunk is a few rows: the copy was as large as the rows' data).
+  const float *wf = static_cast<const float*>(w.data), *bf = static_cast<const float*>(b.data);
+  if (D != DType::Float32) {
+    ld<D>(w.data, 0, cols, scratch);
+    wf = scratch;
+    if (c.ints[0]) ld<D>(b.data, 0, cols, scratch + cols);
+    bf = scratch + cols;
+  }
+  if (!c.ints[0]) {
+    for (int64_t i = 0; i < cols; ++i) scratch[cols + i] = 0.0f;
+    bf = scratch + cols;
+  }
   const float eps = float(c.scalars[0]);
   for (int64_t r = r0; r < r1; ++r) {
     // Three passes over the row (the last two from cache); y from registers.
@@ -105,8 +113,12 @@ int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) 
   const to_tensor &x = c.inputs[0], &res = c.inputs[1], &w = c.inputs[2], &y = c.outputs[0],
                   &ro = c.outputs[1];
   const int64_t cols = x.shape[1];
-  float *a = scratch, *wf = scratch + cols;
-  ld<D>(w.data, 0, cols, wf);
+  float* a = scratch;
+  const float* wf = static_cast<const float*>(w.data);  // fp32: read in place
+  if (D != DType::Float32) {
+    ld<D>(w.data, 0, cols, scratch + cols);
+    wf = scratch + cols;
+  }
   const double eps = c.scalars[0];
   const bool nt = c.ints[7];
   for (int64_t r = r0; r < r1; ++r) {
