@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import inspect
 import logging
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -25,6 +24,7 @@ from tensor_ops.errors import InvalidArgumentError
 from tensor_ops.pools import get_memory_stats as _pool_memory_stats
 from tensor_ops.torch import factory as _factory
 from tensor_ops.torch.fused_linear import prepare_model_with_custom_kernels as _custom_kernels
+from tensor_ops.torch.optim import fuse_optimizer
 from tensor_ops.torch.prepare import OptimizationLevel, OptimizationResult as _OurResult, prepare_model as _prepare
 
 _log = logging.getLogger("tensor_ops")
@@ -250,42 +250,6 @@ class TensorOpsBackend(BaseBackend):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(tensor_ops backend {self.REGISTRY_NAME!r}, available={self.is_available})"
-
-
-_FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def fuse_optimizer(optimizer: torch.optim.Optimizer) -> Tuple[torch.optim.Optimizer, str]:
-    """(optimizer, what was done): torch's fused kernel for a plain Adam /
-    AdamW whose parameters are all floating-point on CPU or CUDA, else the
-    optimizer as given with the reason."""
-    kind = type(optimizer)
-    name = f"{kind.__module__}.{kind.__qualname__}"
-    if kind not in _FUSABLE:
-        return optimizer, f"optimizer kept as given: {name} has no fused torch kernel (only Adam and AdamW)"
-    groups = optimizer.param_groups
-    why = None
-    if any(g.get("fused") for g in groups):
-        why = "it is already fused"
-    elif any(g.get("foreach") or g.get("differentiable") or g.get("capturable") for g in groups):
-        why = "foreach, differentiable or capturable was asked for"
-    else:
-        params = [p for g in groups for p in g["params"]]
-        bad = [p for p in params if p.device.type not in ("cpu", "cuda") or not p.is_floating_point()]
-        if bad:
-            why = f"a parameter is {bad[0].dtype} on {bad[0].device} (fused needs floating point on CPU or CUDA)"
-    if why:
-        return optimizer, f"optimizer kept as given ({name}): {why}"
-    state = optimizer.state_dict()
-    for g in state["param_groups"]:
-        g["fused"], g["foreach"] = True, None
-    takes = inspect.signature(kind.__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in takes and k not in ("fused", "foreach")}
-    fused = kind([{**{k: v for k, v in g.items() if k not in ("fused", "foreach")}, "params": list(g["params"])}
-                  for g in groups], **defaults, fused=True)
-    fused.load_state_dict(state)
-    return fused, (f"optimizer: {name} -> {kind.__qualname__}(fused=True), torch's fused kernel, with the same "
-                   f"{len(groups)} param group(s), hyperparameters and state")
 
 
 @dataclasses.dataclass(frozen=True)

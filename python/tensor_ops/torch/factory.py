@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 import tensor_ops
+from tensor_ops.torch.optim import fuse_optimizer
 from tensor_ops import BackendStatus, BackendUnavailableError, DeviceInfo
 
 
@@ -170,13 +171,24 @@ class Backend:
         result.optimizations_applied.insert(0, "inference mode: eval(), requires_grad off")
         return model, result
 
-    def optimize_for_training(self, model: torch.nn.Module, level="O1", **kwargs):
+    def optimize_for_training(self, model: torch.nn.Module, level="O1", optimizer=None, **kwargs):
         """train(), then prepare_model at `level` (the swapped modules keep the
-        same Parameter objects, so an optimizer may be built before or after)."""
+        same Parameter objects, so an optimizer may be built before or after):
+        (model, result). Given an optimizer (as `optimizer=` or in place of
+        the level: optimize_for_training(model, opt)), returns (model,
+        optimizer, result) with the fastest correct optimizer: torch's fused
+        kernel for a default Adam / AdamW (same groups, hyperparameters and
+        state), else the one given; result.optimizations_applied says which."""
+        if isinstance(level, torch.optim.Optimizer):
+            level, optimizer = "O1", level
         model.train()
         model, result = self.prepare_model(model, level, **kwargs)
         result.optimizations_applied.insert(0, "training mode: train()")
-        return model, result
+        if optimizer is None:
+            return model, result
+        optimizer, note = fuse_optimizer(optimizer)
+        result.optimizations_applied.append(note)
+        return model, optimizer, result
 
     def _pool_device(self) -> str:
         self._require_torch()  # the XLA shim has no tensor_ops pool; torch_xla owns that memory

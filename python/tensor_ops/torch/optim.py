@@ -1,0 +1,46 @@
+"""The fastest correct optimizer for a training step: torch's fused Adam /
+AdamW kernel in place of a default one (on CPU torch's fused AdamW step was
+5.2x the default's speed for 110M parameters, issue 24), same param groups,
+hyperparameters and state. Used by Backend.optimize_for_training and the
+seed-guide compat backends."""
+from __future__ import annotations
+
+import inspect
+from typing import Tuple
+
+import torch
+
+_FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def fuse_optimizer(optimizer: torch.optim.Optimizer) -> Tuple[torch.optim.Optimizer, str]:
+    """(optimizer, what was done): torch's fused kernel for a plain Adam /
+    AdamW whose parameters are all floating-point on CPU or CUDA, else the
+    optimizer as given with the reason."""
+    kind = type(optimizer)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if kind not in _FUSABLE:
+        return optimizer, f"optimizer kept as given: {name} has no fused torch kernel (only Adam and AdamW)"
+    groups = optimizer.param_groups
+    why = None
+    if any(g.get("fused") for g in groups):
+        why = "it is already fused"
+    elif any(g.get("foreach") or g.get("differentiable") or g.get("capturable") for g in groups):
+        why = "foreach, differentiable or capturable was asked for"
+    else:
+        params = [p for g in groups for p in g["params"]]
+        bad = [p for p in params if p.device.type not in ("cpu", "cuda") or not p.is_floating_point()]
+        if bad:
+            why = f"a parameter is {bad[0].dtype} on {bad[0].device} (fused needs floating point on CPU or CUDA)"
+    if why:
+        return optimizer, f"optimizer kept as given ({name}): {why}"
+    state = optimizer.state_dict()
+    for g in state["param_groups"]:
+        g["fused"], g["foreach"] = True, None
+    takes = inspect.signature(kind.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in takes and k not in ("fused", "foreach")}
+    fused = kind([{**{k: v for k, v in g.items() if k not in ("fused", "foreach")}, "params": list(g["params"])}
+                  for g in groups], **defaults, fused=True)
+    fused.load_state_dict(state)
+    return fused, (f"optimizer: {name} -> {kind.__qualname__}(fused=True), torch's fused kernel, with the same "
+                   f"{len(groups)} param group(s), hyperparameters and state")
