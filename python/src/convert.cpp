@@ -48,22 +48,25 @@ Device device_of(const nb::ndarray<nb::ro>& a, const char* arg) {
 
 }  // namespace
 
+// The core's dtype for a DLPack dtype (as_bfloat16: uint16 holds bfloat16
+// bits); false for one the core lacks.
+bool core_dtype(nb::dlpack::dtype d, bool as_bfloat16, DType& dt) {
+  if (d.lanes != 1) return false;
+  const auto code = nb::dlpack::dtype_code(d.code);
+  if (code == nb::dlpack::dtype_code::Float && d.bits == 32) dt = DType::Float32;
+  else if (code == nb::dlpack::dtype_code::Float && d.bits == 16) dt = DType::Float16;
+  else if (code == nb::dlpack::dtype_code::Bfloat && d.bits == 16) dt = DType::BFloat16;
+  else if (as_bfloat16 && code == nb::dlpack::dtype_code::UInt && d.bits == 16) dt = DType::BFloat16;
+  else if (code == nb::dlpack::dtype_code::Int && d.bits == 32) dt = DType::Int32;
+  else if (code == nb::dlpack::dtype_code::Int && d.bits == 64) dt = DType::Int64;
+  else return false;
+  return true;
+}
+
 Tensor to_tensor(const nb::ndarray<nb::ro>& a, const char* arg, bool as_bfloat16) {
   const nb::dlpack::dtype d = a.dtype();
   DType dt;
-  if (d.lanes == 1 && d.code == uint8_t(nb::dlpack::dtype_code::Float) && d.bits == 32)
-    dt = DType::Float32;
-  else if (d.lanes == 1 && d.code == uint8_t(nb::dlpack::dtype_code::Float) && d.bits == 16)
-    dt = DType::Float16;
-  else if (d.lanes == 1 && d.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && d.bits == 16)
-    dt = DType::BFloat16;
-  else if (as_bfloat16 && d.lanes == 1 && d.code == uint8_t(nb::dlpack::dtype_code::UInt) && d.bits == 16)
-    dt = DType::BFloat16;
-  else if (d.lanes == 1 && d.code == uint8_t(nb::dlpack::dtype_code::Int) && d.bits == 32)
-    dt = DType::Int32;
-  else if (d.lanes == 1 && d.code == uint8_t(nb::dlpack::dtype_code::Int) && d.bits == 64)
-    dt = DType::Int64;
-  else
+  if (!core_dtype(d, as_bfloat16, dt))
     throw DTypeError(std::string(arg) + " has dtype " + dl_dtype_name(d) +
                      "; tensor_ops ops take float32, float16 or bfloat16 data (int32 or int64 for indices)");
   std::vector<int64_t> shape(a.ndim()), strides(a.ndim());
@@ -240,6 +243,15 @@ const ExchangeApi* exchange_api(PyObject* tensor_type) {
   return api;
 }
 
+// A DLTensor's strides in elements (NULL strides: compact row-major over shape).
+std::vector<int64_t> strides_of(const nb::dlpack::dltensor& dl, const std::vector<int64_t>& shape) {
+  if (dl.strides) return std::vector<int64_t>(dl.strides, dl.strides + dl.ndim);
+  std::vector<int64_t> st(size_t(dl.ndim));
+  int64_t s = 1;
+  for (int i = dl.ndim - 1; i >= 0; --i) st[size_t(i)] = s, s *= shape[size_t(i)];
+  return st;
+}
+
 bool read_exchange(nb::handle h, const ExchangeApi* api, Tensor& out, bool& cpu) {
   nb::dlpack::dltensor dl;
   if (api->dltensor_from_py_object_no_sync(h.ptr(), &dl) != 0) {
@@ -249,21 +261,8 @@ bool read_exchange(nb::handle h, const ExchangeApi* api, Tensor& out, bool& cpu)
   cpu = dl.device.device_type == nb::device::cpu::value;
   if (!cpu) return true;
   DType d;
-  const uint8_t code = dl.dtype.code;
-  if (dl.dtype.lanes != 1) return cpu = false, true;
-  if (code == uint8_t(nb::dlpack::dtype_code::Float) && dl.dtype.bits == 32) d = DType::Float32;
-  else if (code == uint8_t(nb::dlpack::dtype_code::Float) && dl.dtype.bits == 16) d = DType::Float16;
-  else if (code == uint8_t(nb::dlpack::dtype_code::Bfloat) && dl.dtype.bits == 16) d = DType::BFloat16;
-  else if (code == uint8_t(nb::dlpack::dtype_code::Int) && dl.dtype.bits == 32) d = DType::Int32;
-  else if (code == uint8_t(nb::dlpack::dtype_code::Int) && dl.dtype.bits == 64) d = DType::Int64;
-  else return cpu = false, true;
-  std::vector<int64_t> sh(dl.shape, dl.shape + dl.ndim), st(size_t(dl.ndim));
-  if (dl.strides) {
-    st.assign(dl.strides, dl.strides + dl.ndim);
-  } else {
-    int64_t s = 1;
-    for (int i = dl.ndim - 1; i >= 0; --i) st[size_t(i)] = s, s *= sh[size_t(i)];
-  }
+  if (!core_dtype(dl.dtype, false, d)) return cpu = false, true;
+  std::vector<int64_t> sh(dl.shape, dl.shape + dl.ndim), st = strides_of(dl, sh);
   out = Tensor(static_cast<char*>(dl.data) + dl.byte_offset, d, std::move(sh), std::move(st), Device{"host", 0});
   return true;
 }
@@ -377,13 +376,7 @@ Tensor output(nb::handle out, nb::handle like, const Tensor& tlike, const char* 
   ManagedVersioned* mt = nullptr;
   if (api->managed_tensor_allocator(&proto, &mt, nullptr, set_alloc_error) != 0 || !mt) throw nb::python_error();
   nb::dlpack::dltensor& dl = mt->dl_tensor;
-  std::vector<int64_t> st(size_t(dl.ndim));
-  if (dl.strides) {
-    st.assign(dl.strides, dl.strides + dl.ndim);
-  } else {
-    int64_t s = 1;
-    for (int i = dl.ndim - 1; i >= 0; --i) st[size_t(i)] = s, s *= shape[size_t(i)];
-  }
+  std::vector<int64_t> st = strides_of(dl, shape);
   Tensor t(static_cast<char*>(dl.data) + dl.byte_offset, tlike.dtype(), std::move(shape), std::move(st),
            Device{"host", 0});
   void* py = nullptr;

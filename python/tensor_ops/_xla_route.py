@@ -29,9 +29,6 @@ host_selected = _C.external_selected
 
 
 _PLAIN = {np.ndarray, float, int, bool, str, type(None)}  # never XLA arrays: skipped at no cost
-# Host tensors of torch's plain types (_arrays.TORCH_TYPES, not is_xla) go
-# straight to the native op, without the general path's per-argument XLA check.
-_TORCH = TORCH_TYPES
 
 
 def _is_host(a) -> bool:
@@ -117,7 +114,7 @@ def routed(name: str, native):
     plain = _PLAIN
 
     def general(args, kwargs):
-        if not _TORCH:
+        if not TORCH_TYPES:
             note_torch()
         values = args + tuple(kwargs.values()) if kwargs else args
         for a in values:
@@ -181,5 +178,7 @@ def _with_signature(native, general, selected):
            f"  return op\n")
     scope = {}
     exec(compile(src, f"<tensor_ops routed {native.__name__}>", "exec"), {}, scope)  # noqa: S102
-    op = scope["_make"](native, general, selected, _PLAIN, _TORCH, ExternalBackendSelected, **defaults)
+    # Host tensors of torch's plain types (not is_xla) go straight to the
+    # native op, without the general path's per-argument XLA check.
+    op = scope["_make"](native, general, selected, _PLAIN, TORCH_TYPES, ExternalBackendSelected, **defaults)
     return functools.wraps(native)(op)
