@@ -1,5 +1,6 @@
 // Op bindings: outputs are allocated by the Python layer with the caller's
-// framework; the GIL is released around the kernels (the row and elementwise
+// framework, or (None for an output, plain torch tensors in) made here
+// (Note [outputs made in C++]); the GIL is released around the kernels (the row and elementwise
 // ops: around those big enough to pay for it).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -47,6 +48,9 @@ class ReleaseIfBig {
 
 // What a binding returns: the output it made (Note [outputs made in C++]), or None.
 nb::object made_or_none(nb::object made) { return made.is_valid() ? made : nb::none(); }
+nb::object made_pair(nb::object a, nb::object b) {
+  return a.is_valid() ? nb::object(nb::make_tuple(a, b)) : nb::object(nb::none());
+}
 
 }  // namespace
 
@@ -109,13 +113,17 @@ void init_ops(nb::module_& m) {
   m.def(
       "rms_norm_backward",
       [](Array dy, Array x, Array w, Array dx, Array dw, double eps, bool bf16) {
-        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(x, "x", bf16), c = to_tensor(w, "weight", bf16),
-               d = to_tensor(dx, "dx", bf16), e = to_tensor(dw, "dweight", bf16);
-        nb::gil_scoped_release release;
-        rms_norm_backward(a, b, c, d, e, eps);
+        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(x, "x", bf16), c = to_tensor(w, "weight", bf16);
+        nb::object made, made_w;
+        Tensor d = output(dx, x, b, "dx", bf16, made), e = output(dw, w, c, "dweight", bf16, made_w);
+        {
+          nb::gil_scoped_release release;
+          rms_norm_backward(a, b, c, d, e, eps);
+        }
+        return made_pair(made, made_w);
       },
-      nb::arg("dy"), nb::arg("x"), nb::arg("weight"), nb::arg("dx"), nb::arg("dweight"), nb::arg("eps"),
-      nb::arg("bf16") = false);
+      nb::arg("dy"), nb::arg("x"), nb::arg("weight"), nb::arg("dx").none(), nb::arg("dweight").none(),
+      nb::arg("eps"), nb::arg("bf16") = false);
   m.def(
       "layer_norm_backward",
       [](Array dy, Array x, Array w, Array dx, Array dw, Array db, double eps, bool bf16) {
@@ -137,7 +145,7 @@ void init_ops(nb::module_& m) {
           ReleaseIfBig release(a);
           add_rms_norm(a, b, c, d, e, eps);
         }
-        return made.is_valid() ? nb::object(nb::make_tuple(made, made_r)) : nb::object(nb::none());
+        return made_pair(made, made_r);
       },
       nb::arg("x"), nb::arg("residual"), nb::arg("weight"), nb::arg("out").none(), nb::arg("residual_out").none(),
       nb::arg("eps"),
@@ -158,20 +166,30 @@ void init_ops(nb::module_& m) {
   m.def(
       "softmax_backward",
       [](Array dy, Array y, Array dx, double scale, bool log, bool bf16) {
-        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(y, "y", bf16), c = to_tensor(dx, "dx", bf16);
-        nb::gil_scoped_release release;
-        softmax_backward(a, b, c, scale, log);
+        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(y, "y", bf16);
+        nb::object made;
+        Tensor c = output(dx, y, b, "dx", bf16, made);
+        {
+          ReleaseIfBig release(b);
+          softmax_backward(a, b, c, scale, log);
+        }
+        return made_or_none(made);
       },
-      nb::arg("dy"), nb::arg("y"), nb::arg("dx"), nb::arg("scale"), nb::arg("log"), nb::arg("bf16") = false);
+      nb::arg("dy"), nb::arg("y"), nb::arg("dx").none(), nb::arg("scale"), nb::arg("log"), nb::arg("bf16") = false);
   m.def(
       "activation_backward",
       [](Array dy, Array x, Array dx, const std::string& act, const std::string& approx, bool bf16) {
-        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(x, "x", bf16), c = to_tensor(dx, "dx", bf16);
+        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(x, "x", bf16);
         Activation ac = activation_from_name(act, approx);
-        nb::gil_scoped_release release;
-        activation_backward(a, b, c, ac);
+        nb::object made;
+        Tensor c = output(dx, x, b, "dx", bf16, made);
+        {
+          ReleaseIfBig release(b);
+          activation_backward(a, b, c, ac);
+        }
+        return made_or_none(made);
       },
-      nb::arg("dy"), nb::arg("x"), nb::arg("dx"), nb::arg("activation"), nb::arg("approximate"),
+      nb::arg("dy"), nb::arg("x"), nb::arg("dx").none(), nb::arg("activation"), nb::arg("approximate"),
       nb::arg("bf16") = false);
   m.def(
       "glu",
@@ -192,14 +210,18 @@ void init_ops(nb::module_& m) {
       "glu_backward",
       [](Array dy, Array g, Array u, Array dg, Array du, const std::string& act, const std::string& approx,
          bool bf16) {
-        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(g, "gate", bf16), c = to_tensor(u, "up", bf16),
-               d = to_tensor(dg, "dgate", bf16), e = to_tensor(du, "dup", bf16);
+        Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(g, "gate", bf16), c = to_tensor(u, "up", bf16);
         Activation ac = activation_from_name(act, approx);
-        nb::gil_scoped_release release;
-        glu_backward(a, b, c, d, e, ac);
+        nb::object made, made_u;
+        Tensor d = output(dg, g, b, "dgate", bf16, made), e = output(du, g, b, "dup", bf16, made_u);
+        {
+          ReleaseIfBig release(b);
+          glu_backward(a, b, c, d, e, ac);
+        }
+        return made_pair(made, made_u);
       },
-      nb::arg("dy"), nb::arg("gate"), nb::arg("up"), nb::arg("dgate"), nb::arg("dup"), nb::arg("activation"),
-      nb::arg("approximate"), nb::arg("bf16") = false);
+      nb::arg("dy"), nb::arg("gate"), nb::arg("up"), nb::arg("dgate").none(), nb::arg("dup").none(),
+      nb::arg("activation"), nb::arg("approximate"), nb::arg("bf16") = false);
   m.def(
       "rope",
       [](Array x, Array cos, Array sin, Array pos, Array out, bool interleaved, bool inverse, bool bf16) {

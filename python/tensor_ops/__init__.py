@@ -52,69 +52,23 @@ from ._types import Approximate, Array
 __version__ = "0.1.0"
 
 
-import sys as _sys
-
-import numpy as _np
-
-from .errors import LayoutError as _LayoutError
-
-from ._arrays import _FAST_NP
-from ._arrays import POOL_OUTPUT_BYTES as _POOL_BYTES
-from ._arrays import fast_call as _fast_call
-
-_ndarray = _np.ndarray
-_np_empty = _np.empty
-
-
-def _unary(fn, x, out, *extra):
-    # The numpy case first, inline: a helper call costs ~0.15 us, a tenth of
-    # a 1x64 call.
-    if out is None and type(x) is _ndarray and x.dtype in _FAST_NP and x.nbytes < _POOL_BYTES:
-        fast = _np_empty(x.shape, x.dtype)
-        try:
-            fn(x, fast, *extra)
-            return fast
-        except _LayoutError:
-            pass
-    elif out is None:
-        fast = _fast_call(fn, x, (), 1, *extra)
-        if fast is not None:
-            return fast
-    a = Arg(x, "x")
-    if out is None:
-        out = empty_like(a)
-    return call(fn, [a], out, *extra)
+from ._optable import invoke as _invoke
 
 
 def rms_norm(x: Array, weight: Array, eps: float = 1e-6, *, out: Array | None = None) -> Array:
     """x / sqrt(mean(x**2, last dim) + eps) * weight, accumulated in fp32."""
-    if out is None and type(eps) is float:
-        if type(x) is _ndarray and x.dtype in _FAST_NP and x.nbytes < _POOL_BYTES and type(weight) is _ndarray:
-            fast = _np_empty(x.shape, x.dtype)
-            try:
-                _C.rms_norm(x, weight, fast, eps)
-                return fast
-            except _LayoutError:
-                pass
-        else:
-            fast = _fast_call(_C.rms_norm, x, (weight,), 1, eps)
-            if fast is not None:
-                return fast
-    a, w = Arg(x, "x"), Arg(weight, "weight")
-    eps = _checks.real("eps", eps, nonneg=True)
-    if out is None:
-        out = empty_like(a)
-    return call(_C.rms_norm, [a, w], out, eps)
+    return _invoke("rms_norm", (x, weight), (eps if type(eps) is float else _checks.real("eps", eps, nonneg=True),),
+                   out)
 
 
 def silu(x: Array, *, out: Array | None = None) -> Array:
     """x * sigmoid(x)."""
-    return _unary(_C.silu, x, out)
+    return _invoke("silu", (x,), (), out)
 
 
 def gelu(x: Array, approximate: Approximate = "none", *, out: Array | None = None) -> Array:
     """GELU: approximate="none" uses erf, "tanh" the tanh approximation."""
-    return _unary(_C.gelu, x, out, _checks.choice("approximate", approximate, ("none", "tanh")))
+    return _invoke("gelu", (x,), (_checks.choice("approximate", approximate, ("none", "tanh")),), out)
 
 
 # Every op routes XLA arrays (jax, torch_xla) to the XLA shim, and host arrays

@@ -319,7 +319,7 @@ def run(fn, args: list[Arg], outs: list, *extra):
 def call(fn, args: list[Arg], out, *extra):
     """Runs fn(*arrays, out_array, *extra), copying strided inputs the core
     cannot take as they are (a correct answer beats a refusal)."""
-    bf16 = any(a.bf16_view for a in args)
+    bf16 = any(a.bf16_view for a in args if a is not None)
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise InvalidArgumentError(f"out is a read-only numpy array (shape {out.shape}, dtype {out.dtype})")
     check_out(out)
@@ -330,20 +330,17 @@ def call(fn, args: list[Arg], out, *extra):
         raise DTypeError("out is bfloat16 but the inputs are not")
     streams = _Streams(args, [out_arr])
     try:
-        streams.call(fn, [a.array for a in args], [out_arr], extra, bf16)
+        streams.call(fn, [None if a is None else a.array for a in args], [out_arr], extra, bf16)
     except LayoutError:
         for a in args:
-            a.contiguous()
-        streams.call(fn, [a.array for a in args], [out_arr], extra, bf16)
+            if a is not None:
+                a.contiguous()
+        streams.call(fn, [None if a is None else a.array for a in args], [out_arr], extra, bf16)
     return out
 
 
-# Fast path for the common call: a numpy float32/float16 array (or a host
-# torch tensor that needs no grad) and no out=. It skips the generic argument
-# handling (about 5-8 us of Python per call); anything unusual, device data
-# (whose streams the general path handles), or a layout the core refuses,
-# takes the general path.
-_FAST_NP = (np.dtype(np.float32), np.dtype(np.float16))
+# numpy dtypes of the fast lane (_optable.invoke): no bfloat16 view needed.
+FAST_NP = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 # Outputs from this size up come from the host memory pool (a numpy array or
@@ -359,7 +356,7 @@ def fast_out(x):
     """An output like x for the fast path, or None when x does not qualify."""
     t = type(x)
     if t is np.ndarray:
-        if x.dtype not in _FAST_NP:
+        if x.dtype not in FAST_NP:
             return None
         if x.nbytes < POOL_OUTPUT_BYTES:
             return np.empty(x.shape, x.dtype)
@@ -376,7 +373,6 @@ def fast_out(x):
     return None
 
 
-_NONES = {1: (None,), 2: (None, None)}
 # torch.Tensor and nn.Parameter once torch is imported (filled by
 # note_torch(): torch may be imported after tensor_ops).
 TORCH_TYPES = set()
@@ -388,39 +384,3 @@ def note_torch() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and not TORCH_TYPES:
         TORCH_TYPES.update((torch.Tensor, torch.nn.Parameter))
-
-
-def fast_call(fn, x, peers, n_out, *extra):
-    """fn(x, *peers, *outputs, *extra) on the fast path: x qualifies for
-    fast_out and every peer array is of x's type and dtype (and needs no
-    grad). Returns the output (a tuple for n_out > 1), or None to take the
-    general path. A plain torch tensor first asks the binding to make its
-    outputs (None for each; Note [outputs made in C++] in convert.cpp): one C
-    call instead of a torch.empty_like per output."""
-    t = type(x)
-    if t in TORCH_TYPES and not x.requires_grad:
-        dt = x.dtype
-        for p in peers:  # a weight is usually an nn.Parameter: any plain torch type is a peer
-            if p is not None and (type(p) not in TORCH_TYPES or p.dtype != dt or p.requires_grad):
-                return None
-        try:
-            made = fn(x, *peers, *_NONES[n_out], *extra)
-            if made is not None:
-                return made
-        except LayoutError:
-            pass  # a lazy view, a large output, no exchange API: the path below
-        except UnsupportedError:
-            return None  # the general path words the refusal (shapes, dtypes)
-    o = fast_out(x)
-    if o is None:
-        return None
-    t, dt = type(x), x.dtype
-    for p in peers:
-        if type(p) is not t or p.dtype != dt or (t is not np.ndarray and p.requires_grad):
-            return None
-    outs = (o,) if n_out == 1 else (o,) + tuple(fast_out(x) for _ in range(n_out - 1))
-    try:
-        fn(x, *peers, *outs, *extra)
-    except LayoutError:
-        return None
-    return o if n_out == 1 else outs

@@ -10,13 +10,14 @@ from typing import Any
 import numpy as np
 
 from . import _C, _checks
-from ._arrays import Arg, empty_like, fast_call, run
+from ._arrays import Arg, empty_like, run
+from ._optable import invoke
 from ._types import Approximate, Array, CausalAlignment, Reduction
 from .errors import InvalidArgumentError
 
 
 def _eps(eps) -> float:
-    return _checks.real("eps", eps, nonneg=True)
+    return eps if type(eps) is float else _checks.real("eps", eps, nonneg=True)
 
 
 def _approx(approximate) -> str:
@@ -26,43 +27,18 @@ def _approx(approximate) -> str:
 def layer_norm(x: Array, weight: Array, bias: Array | None = None, eps: float = 1e-5, *,
                out: Array | None = None) -> Array:
     """(x - mean) / sqrt(var + eps) * weight + bias over the last dim."""
-    if out is None and type(eps) is float:
-        if bias is None:
-            y = fast_call(_layer_norm_no_bias, x, (weight,), 1, eps)
-        else:
-            y = fast_call(_C.layer_norm, x, (weight, bias), 1, eps)
-        if y is not None:
-            return y
-    a, w = Arg(x, "x"), Arg(weight, "weight")
-    b = None if bias is None else Arg(bias, "bias")
-    out = empty_like(a) if out is None else out
-    run(_C.layer_norm, [a, w, b], [out], _eps(eps))
-    return out
-
-
-def _layer_norm_no_bias(x, weight, out, eps):
-    return _C.layer_norm(x, weight, None, out, eps)
+    return invoke("layer_norm", (x, weight, bias), (_eps(eps),), out)
 
 
 def add_rms_norm(x: Array, residual: Array, weight: Array, eps: float = 1e-6) -> tuple[Array, Array]:
     """Fused residual add + RMSNorm in one pass: returns
     (rms_norm(x + residual, weight), x + residual)."""
-    if type(eps) is float:
-        y = fast_call(_C.add_rms_norm, x, (residual, weight), 2, eps)
-        if y is not None:
-            return y
-    a, r, w = Arg(x, "x"), Arg(residual, "residual"), Arg(weight, "weight")
-    out, res_out = empty_like(a), empty_like(a)
-    run(_C.add_rms_norm, [a, r, w], [out, res_out], _eps(eps))
-    return out, res_out
+    return invoke("add_rms_norm", (x, residual, weight), (_eps(eps),))
 
 
 def rms_norm_backward(dy: Array, x: Array, weight: Array, eps: float = 1e-6) -> tuple[Array, Array]:
     """Gradients of rms_norm: (dx, dweight)."""
-    g, a, w = Arg(dy, "dy"), Arg(x, "x"), Arg(weight, "weight")
-    dx, dw = empty_like(a), empty_like(w)
-    run(_C.rms_norm_backward, [g, a, w], [dx, dw], _eps(eps))
-    return dx, dw
+    return invoke("rms_norm_backward", (dy, x, weight), (_eps(eps),))
 
 
 def layer_norm_backward(dy: Array, x: Array, weight: Array, eps: float = 1e-5, *,
@@ -104,9 +80,7 @@ def causal_mode(causal, causal_alignment: str) -> int:
 
 def _softmax(x, dim, scale, causal, log, causal_alignment="bottom_right"):
     if dim == -1 and type(scale) is float and type(causal) is bool and getattr(x, "ndim", 0) >= 1:
-        y = fast_call(_C.softmax, x, (), 1, scale, causal_mode(causal, causal_alignment), log)
-        if y is not None:
-            return y
+        return invoke("softmax", (x,), (scale, causal_mode(causal, causal_alignment), log))
     Arg(x, "x")  # a TypeError for what is not an array, before its shape is read
     scale, causal = _checks.real("scale", scale), _checks.flag("causal", causal)
     xm, back = _moved(x, dim)
@@ -135,14 +109,13 @@ def log_softmax(x: Array, dim: int = -1, scale: float = 1.0, causal: bool = Fals
 
 
 def _softmax_bwd(dy, y, dim, scale, log):
+    if dim == -1 and type(scale) is float and getattr(y, "ndim", 0) >= 1:
+        return invoke("softmax_backward", (dy, y), (scale, log))
     Arg(dy, "dy"), Arg(y, "y")
     scale = _checks.real("scale", scale)
     dym, _ = _moved(dy, dim)
     ym, back = _moved(y, dim)
-    g, a = Arg(dym, "dy"), Arg(ym, "y")
-    dx = empty_like(a)
-    run(_C.softmax_backward, [g, a], [dx], scale, log)
-    return back(dx)
+    return back(invoke("softmax_backward", (dym, ym), (scale, log)))
 
 
 def softmax_backward(dy: Array, y: Array, dim: int = -1, scale: float = 1.0) -> Array:
@@ -155,10 +128,7 @@ def log_softmax_backward(dy: Array, y: Array, dim: int = -1, scale: float = 1.0)
 
 
 def _act_bwd(dy, x, act, approximate):
-    g, a = Arg(dy, "dy"), Arg(x, "x")
-    dx = empty_like(a)
-    run(_C.activation_backward, [g, a], [dx], act, _approx(approximate))
-    return dx
+    return invoke("activation_backward", (dy, x), (act, _approx(approximate)))
 
 
 def silu_backward(dy: Array, x: Array) -> Array:
@@ -171,14 +141,7 @@ def gelu_backward(dy: Array, x: Array, approximate: Approximate = "none") -> Arr
 
 
 def _glu(gate, up, act, approximate, out):
-    if out is None and type(approximate) is str:
-        y = fast_call(_C.glu, gate, (up,), 1, act, approximate)
-        if y is not None:
-            return y
-    g, u = Arg(gate, "gate"), Arg(up, "up")
-    out = empty_like(g) if out is None else out
-    run(_C.glu, [g, u], [out], act, _approx(approximate))
-    return out
+    return invoke("glu", (gate, up), (act, _approx(approximate)), out)
 
 
 def swiglu(gate: Array, up: Array, *, out: Array | None = None) -> Array:
@@ -192,10 +155,7 @@ def geglu(gate: Array, up: Array, approximate: Approximate = "none", *, out: Arr
 
 
 def _glu_bwd(dy, gate, up, act, approximate):
-    d, g, u = Arg(dy, "dy"), Arg(gate, "gate"), Arg(up, "up")
-    dg, du = empty_like(g), empty_like(g)
-    run(_C.glu_backward, [d, g, u], [dg, du], act, _approx(approximate))
-    return dg, du
+    return invoke("glu_backward", (dy, gate, up), (act, _approx(approximate)))
 
 
 def swiglu_backward(dy: Array, gate: Array, up: Array) -> tuple[Array, Array]:

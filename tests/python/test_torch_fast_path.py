@@ -96,7 +96,67 @@ def test_parameters_as_peers_take_the_fast_path():
     # inference): the op must not drop to the general path for it.
     x = torch.randn(2, 16)
     p = torch.nn.Parameter(torch.rand(16) + 0.5, requires_grad=False)
-    from tensor_ops import _arrays
-    y = _arrays.fast_call(_C.rms_norm, x, (p,), 1, 1e-6)
+    from tensor_ops import _optable
+    y = _optable._fast(_optable.TABLE["rms_norm"], (x, p), (1e-6,))
     assert y is not None
     torch.testing.assert_close(y, F.rms_norm(x, (16,), p, 1e-6))
+
+
+@pytest.mark.skipif(not HAS_EXCHANGE, reason="this torch has no __dlpack_c_exchange_api__")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_bindings_make_torch_outputs(dtype):
+    """The backward ops' bindings make their outputs like the input each is
+    shaped after (dweight like the weight, in the weight's dtype)."""
+    x, dy = torch.randn(5, 24).to(dtype), torch.randn(5, 24).to(dtype)
+    w = torch.nn.Parameter((torch.rand(24) + 0.5).to(dtype))
+    dx, dw = _C.rms_norm_backward(dy, x, w, None, None, 1e-6)
+    assert type(dx) is torch.Tensor and dx.shape == x.shape and dw.shape == w.shape and dw.dtype == dtype
+    ref_dx, ref_dw = tensor_ops.rms_norm_backward(dy.numpy() if dtype != torch.bfloat16 else dy.float().numpy(),
+                                                  x.float().numpy() if dtype == torch.bfloat16 else x.numpy(),
+                                                  w.detach().float().numpy() if dtype == torch.bfloat16
+                                                  else w.detach().numpy(), 1e-6)
+    torch.testing.assert_close(dx.float(), torch.from_numpy(np.asarray(ref_dx, np.float32)), rtol=3e-2, atol=3e-2)
+    y = torch.softmax(x.float(), -1).to(dtype)
+    d = _C.softmax_backward(dy, y, None, 1.0, False)
+    torch.testing.assert_close(d.float(), (y.float() * (dy.float() - (dy.float() * y.float()).sum(-1, True))),
+                               rtol=3e-2, atol=3e-2)
+    d = _C.activation_backward(dy, x, None, "silu", "none")
+    xf = x.float().requires_grad_()
+    F.silu(xf).backward(dy.float())
+    torch.testing.assert_close(d.float(), xf.grad, rtol=3e-2, atol=3e-2)
+    dg, du = _C.glu_backward(dy, x, x, None, None, "silu", "none")
+    assert dg.shape == du.shape == x.shape and dg.data_ptr() != du.data_ptr()
+
+
+def test_tensors_that_require_grad_read_as_their_data():
+    """The op API records no autograd: a tensor that requires grad (a
+    training step's activations, a module's Parameter) gives the same values
+    as its detached data, with no grad_fn, on the fast lane as before on the
+    general one."""
+    x = torch.randn(4, 32, requires_grad=True)
+    w = torch.nn.Parameter(torch.rand(32) + 0.5)
+    y = tensor_ops.rms_norm(x, w)
+    assert not y.requires_grad and y.grad_fn is None
+    torch.testing.assert_close(y, F.rms_norm(x.detach(), (32,), w.detach(), 1e-6))
+    dx, dw = tensor_ops.rms_norm_backward(torch.ones(4, 32), x, w)
+    assert not dx.requires_grad and dw.shape == (32,)
+    torch.testing.assert_close(tensor_ops.swiglu(x, x), F.silu(x.detach()) * x.detach())
+
+
+def test_one_table_drives_the_ops():
+    """Every op the table names is a binding, and the public functions run
+    through it: the table's binding sees the call."""
+    from tensor_ops import _optable
+
+    for name, entry in _optable.TABLE.items():
+        assert entry.fn is getattr(_C, name), name
+        assert all(0 <= i < len(entry.arrays) for i in entry.like), name
+    seen = []
+    real = _optable.TABLE["silu"]
+    _optable.TABLE["silu"] = real._replace(fn=lambda *a, **k: seen.append(len(a)) or real.fn(*a, **k))
+    try:
+        tensor_ops.silu(np.ones(3, np.float32))
+        tensor_ops.silu(torch.ones(3))
+    finally:
+        _optable.TABLE["silu"] = real
+    assert len(seen) == 2

@@ -1,0 +1,135 @@
+"""The ops the Python layer calls, in one table (as
+cpp/include/tensor_ops/ops.def is for C++), and the one path every call
+takes: `invoke`.
+
+An entry names the binding, its array arguments in the binding's order and,
+per output, the array argument it is shaped and typed like. The public
+functions (tensor_ops.rms_norm, ops.py) check and convert their options,
+then call invoke; none has a fast path of its own.
+
+invoke takes one of two lanes:
+- the fast lane, for the common call: no out=, every array of one plain
+  kind and dtype (numpy float32/float16; or host torch tensors, torch.Tensor
+  or nn.Parameter, read as their data: the op API records no autograd). Torch outputs are made by the
+  binding (Note [outputs made in C++] in python/src/convert.cpp; one C call
+  instead of a torch.empty_like per output), numpy outputs by np.empty.
+- the general lane, for everything else: Arg conversion (DLPack producers,
+  numpy bfloat16, tensors that need a gradient, lazy torch views, device
+  data and its streams), outputs in the caller's framework, a contiguous
+  retry for strided inputs, and the worded refusals.
+A layout the core refuses on the fast lane (a strided or lazy view) sends
+the call to the general lane, which copies what needs copying.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from . import _C
+from ._arrays import FAST_NP, POOL_OUTPUT_BYTES, TORCH_TYPES, Arg, call, empty_like, fast_out, run
+from .errors import LayoutError, UnsupportedError
+
+
+class OpEntry(NamedTuple):
+    fn: Callable[..., Any]  # the _C binding: fn(*arrays, *outputs, *scalars, bf16=...)
+    arrays: tuple[str, ...]  # array arguments in the binding's order (names for the messages)
+    like: tuple[int, ...]  # per output: the array argument it is shaped and typed like
+    optional: int = -1  # the array argument that may be None (layer_norm's bias), else -1
+
+
+TABLE: dict[str, OpEntry] = {
+    "rms_norm": OpEntry(_C.rms_norm, ("x", "weight"), (0,)),
+    "silu": OpEntry(_C.silu, ("x",), (0,)),
+    "gelu": OpEntry(_C.gelu, ("x",), (0,)),
+    "layer_norm": OpEntry(_C.layer_norm, ("x", "weight", "bias"), (0,), optional=2),
+    "add_rms_norm": OpEntry(_C.add_rms_norm, ("x", "residual", "weight"), (0, 0)),
+    "softmax": OpEntry(_C.softmax, ("x",), (0,)),
+    "glu": OpEntry(_C.glu, ("gate", "up"), (0,)),
+    "rms_norm_backward": OpEntry(_C.rms_norm_backward, ("dy", "x", "weight"), (1, 2)),
+    "softmax_backward": OpEntry(_C.softmax_backward, ("dy", "y"), (1,)),
+    "activation_backward": OpEntry(_C.activation_backward, ("dy", "x"), (1,)),
+    "glu_backward": OpEntry(_C.glu_backward, ("dy", "gate", "up"), (1, 1)),
+}
+
+_NONES = {1: (None,), 2: (None, None), 3: (None, None, None)}
+_ndarray = np.ndarray
+_np_empty = np.empty
+
+
+def _fast(e: OpEntry, arrays: tuple, extra: tuple):
+    """The fast lane: the outputs, or None when the call does not qualify
+    (or the core refused a layout: the general lane copies)."""
+    x = arrays[0]
+    t = type(x)
+    like = e.like
+    if t is _ndarray:
+        dt = x.dtype
+        if dt not in FAST_NP:
+            return None
+        if len(arrays) > 1:
+            for a in arrays:
+                if type(a) is not _ndarray or a.dtype != dt:
+                    if a is None and e.optional >= 0:
+                        continue
+                    return None
+        if len(like) == 1:
+            a = arrays[like[0]]
+            o = _np_empty(a.shape, dt) if a.nbytes < POOL_OUTPUT_BYTES else fast_out(a)
+            try:
+                e.fn(*arrays, o, *extra)
+            except LayoutError:
+                return None
+            return o
+        outs = tuple(_np_empty(arrays[i].shape, dt) if arrays[i].nbytes < POOL_OUTPUT_BYTES else fast_out(arrays[i])
+                     for i in like)
+        try:
+            e.fn(*arrays, *outs, *extra)
+        except LayoutError:
+            return None
+        return outs
+    if t not in TORCH_TYPES:
+        return None
+    dt = x.dtype
+    # A weight is usually an nn.Parameter: any plain torch type qualifies. A
+    # tensor that requires grad is read as its data (the op API records no
+    # autograd: tensor_ops.torch does), as the general lane's detach() would.
+    if len(arrays) > 1:
+        for a in arrays:
+            if type(a) not in TORCH_TYPES or a.dtype != dt:
+                if a is None and e.optional >= 0:
+                    continue
+                return None
+    try:
+        made = e.fn(*arrays, *_NONES[len(like)], *extra)
+        if made is not None:
+            return made
+    except LayoutError:
+        pass  # a lazy view, a large output, device data: outputs from Python below, or the general lane
+    except UnsupportedError:
+        return None  # the general lane words the refusal (shapes, dtypes)
+    outs = tuple(fast_out(arrays[i]) for i in like)
+    if any(o is None for o in outs):
+        return None
+    try:
+        e.fn(*arrays, *outs, *extra)
+    except LayoutError:
+        return None
+    return outs[0] if len(outs) == 1 else outs
+
+
+def invoke(name: str, arrays: tuple, extra: tuple = (), out=None):
+    """The op `name` of TABLE on arrays, with the scalars `extra` after the
+    outputs (already checked by the caller). Returns the output, or the tuple
+    of outputs; `out` (single-output ops) is written and returned."""
+    e = TABLE[name]
+    if out is None:
+        y = _fast(e, arrays, extra)
+        if y is not None:
+            return y
+    args = [None if a is None and i == e.optional else Arg(a, e.arrays[i]) for i, a in enumerate(arrays)]
+    if out is not None:
+        return call(e.fn, args, out, *extra)
+    outs = [empty_like(args[i]) for i in e.like]
+    run(e.fn, args, outs, *extra)
+    return outs[0] if len(outs) == 1 else tuple(outs)
