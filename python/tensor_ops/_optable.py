@@ -81,13 +81,8 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
             except LayoutError:
                 return None
             return o
-        outs = tuple(_np_empty(arrays[i].shape, dt) if arrays[i].nbytes < POOL_OUTPUT_BYTES else fast_out(arrays[i])
-                     for i in like)
-        try:
-            e.fn(*arrays, *outs, *extra)
-        except LayoutError:
-            return None
-        return outs
+        return _into(e, arrays, tuple(_np_empty(arrays[i].shape, dt) if arrays[i].nbytes < POOL_OUTPUT_BYTES
+                                      else fast_out(arrays[i]) for i in like), extra)
     if t not in TORCH_TYPES:
         return None
     dt = x.dtype
@@ -109,8 +104,12 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
     except UnsupportedError:
         return None  # the general lane words the refusal (shapes, dtypes)
     outs = tuple(fast_out(arrays[i]) for i in like)
-    if any(o is None for o in outs):
-        return None
+    return None if any(o is None for o in outs) else _into(e, arrays, outs, extra)
+
+
+def _into(e: OpEntry, arrays: tuple, outs: tuple, extra: tuple):
+    """e's binding writing into outs: the output(s), or None when the core
+    refused a layout (the general lane copies)."""
     try:
         e.fn(*arrays, *outs, *extra)
     except LayoutError:
