@@ -2,6 +2,7 @@
 // runtime probing, devices, memory, copies and the kernel entries.
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <string>
 
 #include "common.cuh"
@@ -148,6 +149,27 @@ void gpu_deallocate(int32_t device, void* ptr, size_t) {
   if (err != cudaSuccess) fail("cudaFree(ptr)", err, __FILE__, __LINE__);
 }
 
+// The sticky bad-index flags (common.cuh, BadIndexFlag): per device, an int
+// per kind in device memory, the message of the last call of each kind, and
+// whether a call has used them since the last report (only then does a
+// synchronizing call read them back).
+constexpr int kMaxFlagDevices = 64;
+struct BadIndexFlags {
+  int* flags = nullptr;
+  std::string message[kBadIndexKinds];
+  bool armed = false;
+};
+std::mutex bad_index_mutex;
+BadIndexFlags bad_index_flags[kMaxFlagDevices];
+
+// scratch_pool()'s pools, per device: tried once; null where unsupported.
+struct ScratchPool {
+  bool tried = false;
+  cudaMemPool_t pool = nullptr;
+};
+std::mutex scratch_pool_mutex;
+ScratchPool scratch_pools[kMaxFlagDevices];
+
 // Blocking, as the ABI asks: cudaMemcpy returns early for device-to-device
 // copies and cudaMemset for device memory, so those wait for the default
 // stream (which also orders them after kernels launched on it).
@@ -162,7 +184,7 @@ to_status gpu_copy(int32_t device, void* dst, uint64_t dst_offset, const void* s
   TENSOR_OPS_CUDA_CHECK(cudaMemcpy(static_cast<char*>(dst) + dst_offset, static_cast<const char*>(src) + src_offset,
                                    bytes, kinds[kind]));
   if (kind == 2) TENSOR_OPS_CUDA_CHECK(cudaStreamSynchronize(nullptr));
-  return TO_OK;
+  return report_bad_indices(device);
 }
 
 to_status gpu_memset(int32_t device, void* dst, uint64_t offset, int32_t value, size_t bytes) {
@@ -171,14 +193,14 @@ to_status gpu_memset(int32_t device, void* dst, uint64_t offset, int32_t value, 
   if (to_status s = guard.enter(device); s != TO_OK) return s;
   TENSOR_OPS_CUDA_CHECK(cudaMemset(static_cast<char*>(dst) + offset, value, bytes));
   TENSOR_OPS_CUDA_CHECK(cudaStreamSynchronize(nullptr));
-  return TO_OK;
+  return report_bad_indices(device);
 }
 
 to_status gpu_synchronize(int32_t device) {
   DeviceGuard guard;
   if (to_status s = guard.enter(device); s != TO_OK) return s;
   TENSOR_OPS_CUDA_CHECK(cudaDeviceSynchronize());
-  return TO_OK;
+  return report_bad_indices(device);
 }
 
 const char* gpu_last_error() { return last_error_text.c_str(); }
@@ -262,6 +284,83 @@ to_status fail(const char* call, cudaError_t code, const char* file, int line) {
     last_error_text += "; this plugin was built for " TENSOR_OPS_GPU_ARCHS
                        ": rebuild with your GPU's architecture in CMAKE_" TENSOR_OPS_GPU_NAME "_ARCHITECTURES";
   return code == cudaErrorMemoryAllocation ? TO_ERR_OUT_OF_MEMORY : TO_ERR_DEVICE;
+}
+
+to_status BadIndexFlag::arm(const std::string& message) {
+  int device = 0;
+  TENSOR_OPS_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 0 || device >= kMaxFlagDevices)
+    return fail(TO_ERR_UNSUPPORTED, "device " + std::to_string(device) + ": the bad-index flags cover devices 0 to " +
+                                        std::to_string(kMaxFlagDevices - 1));
+  std::lock_guard<std::mutex> lock(bad_index_mutex);
+  BadIndexFlags& f = bad_index_flags[device];
+  if (!f.flags) {
+    int* flags = nullptr;
+    TENSOR_OPS_CUDA_CHECK(cudaMalloc(&flags, kBadIndexKinds * sizeof(int)));
+    // Zeroed before any kernel can raise them (cudaMemset orders after the
+    // default stream's work; the callers' streams wait for it below).
+    const cudaError_t err = cudaMemset(flags, 0, kBadIndexKinds * sizeof(int));
+    if (err == cudaSuccess) (void)cudaDeviceSynchronize();
+    if (err != cudaSuccess) {
+      (void)cudaFree(flags);
+      return fail("cudaMemset(flags, 0, bytes)", err, __FILE__, __LINE__);
+    }
+    f.flags = flags;
+  }
+  f.message[int(kind_)] = message;
+  f.armed = true;
+  flag_ = f.flags + int(kind_);
+  return TO_OK;
+}
+
+to_status scratch_pool(cudaMemPool_t* pool) {
+  *pool = nullptr;
+  int device = 0;
+  TENSOR_OPS_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 0 || device >= kMaxFlagDevices) return TO_OK;  // cudaMalloc, then
+  std::lock_guard<std::mutex> lock(scratch_pool_mutex);
+  ScratchPool& p = scratch_pools[device];
+  if (!p.tried) {
+    cudaMemPoolProps props;
+    std::memset(&props, 0, sizeof(props));
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t created = nullptr;
+    cudaError_t err = cudaMemPoolCreate(&created, &props);
+    if (err == cudaErrorNotSupported) {
+      (void)cudaGetLastError();  // clears it: cudaMalloc is the answer
+      p.tried = true;
+      return TO_OK;
+    }
+    if (err != cudaSuccess) return fail("cudaMemPoolCreate(&pool, &props)", err, __FILE__, __LINE__);
+    unsigned long long keep = kScratchKeepBytes;
+    // Without the threshold the pool still works, caching less: not an error.
+    if (cudaMemPoolSetAttribute(created, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess)
+      (void)cudaGetLastError();
+    p.pool = created;
+    p.tried = true;
+  }
+  *pool = p.pool;
+  return TO_OK;
+}
+
+to_status report_bad_indices(int32_t device) {
+  if (device < 0 || device >= kMaxFlagDevices) return TO_OK;
+  std::lock_guard<std::mutex> lock(bad_index_mutex);
+  BadIndexFlags& f = bad_index_flags[device];
+  if (!f.armed) return TO_OK;
+  f.armed = false;
+  int raised[kBadIndexKinds] = {};
+  // The caller has synchronized the device: the kernels that may raise are done.
+  TENSOR_OPS_CUDA_CHECK(cudaMemcpy(raised, f.flags, sizeof(raised), cudaMemcpyDeviceToHost));
+  std::string message;
+  for (int k = 0; k < kBadIndexKinds; ++k)
+    if (raised[k]) message += (message.empty() ? "" : "; ") + f.message[k];
+  if (message.empty()) return TO_OK;
+  TENSOR_OPS_CUDA_CHECK(cudaMemset(f.flags, 0, sizeof(raised)));
+  return fail(TO_ERR_INVALID_ARGUMENT, message + " (found on the device by the kernel of an earlier call; reported by " +
+                                          "the first copy, memset or synchronize on the device after it)");
 }
 
 to_status fail(to_status status, const std::string& message) {

@@ -123,9 +123,19 @@ to_status with_chunk(bool vec, F&& f) {
   return f(std::integral_constant<int, 1>{});
 }
 
-// Stream-ordered device memory for one call (partial sums, an error flag):
-// cudaMallocAsync where the device has memory pools, else cudaMalloc. Freed
-// in stream order when the owner goes out of scope.
+// The plugin's stream-ordered memory pool for scratch on the current device,
+// created on first use. Its release threshold keeps up to kScratchKeepBytes
+// of freed scratch reserved across synchronizations, so the next call reuses
+// it (the device's default pool has threshold 0: every synchronize hands it
+// back and the next call maps it again). The core's caching pool is on the
+// other side of the plugin ABI, out of reach here. *pool is null where the
+// device has no memory pools (cudaErrorNotSupported).
+constexpr unsigned long long kScratchKeepBytes = 256ull << 20;
+to_status scratch_pool(cudaMemPool_t* pool);
+
+// Stream-ordered device memory for one call (partial sums): from
+// scratch_pool() where the device has memory pools, else cudaMalloc. Freed in
+// stream order when the owner goes out of scope.
 class DeviceScratch {
  public:
   explicit DeviceScratch(cudaStream_t stream) : stream_(stream) {}
@@ -140,16 +150,14 @@ class DeviceScratch {
       (void)cudaFree(ptr_);  // waits for the device, so the kernels are done
   }
   to_status allocate(size_t bytes) {
-    cudaError_t err = cudaMallocAsync(&ptr_, bytes, stream_);
-    if (err == cudaErrorNotSupported) {
-      (void)cudaGetLastError();  // clears it: the fallback below is the answer
-      async_ = false;
-      err = cudaMalloc(&ptr_, bytes);
-    }
+    cudaMemPool_t pool = nullptr;
+    if (to_status s = scratch_pool(&pool); s != TO_OK) return s;
+    async_ = pool != nullptr;
+    const cudaError_t err = async_ ? cudaMallocFromPoolAsync(&ptr_, bytes, pool, stream_) : cudaMalloc(&ptr_, bytes);
     if (err != cudaSuccess) {
       ptr_ = nullptr;
-      return fail(async_ ? "cudaMallocAsync(&ptr, bytes, stream)" : "cudaMalloc(&ptr, bytes)", err, __FILE__,
-                  __LINE__);
+      return fail(async_ ? "cudaMallocFromPoolAsync(&ptr, bytes, pool, stream)" : "cudaMalloc(&ptr, bytes)", err,
+                  __FILE__, __LINE__);
     }
     return TO_OK;
   }
@@ -165,28 +173,35 @@ class DeviceScratch {
 };
 
 // The kernels that index tables with values from the data (rope's positions,
-// cross-entropy's targets) raise a device flag for a bad one. check() waits
-// for the stream and returns the flag: the CPU backend's error, same message.
+// cross-entropy's targets) raise a flag in device memory for a bad one. The
+// flag is sticky, one per device and kind: a call neither waits for its
+// kernel nor copies anything back (the host runs ahead, and the call can be
+// captured in a CUDA graph). The next synchronizing call of this plugin on
+// that device (a copy, a memset or synchronize(): where results reach the
+// host; for host arrays, the copy of the same call's output) reads the
+// flags, clears them and fails with InvalidArgument and the message of the
+// last call of that kind (the CPU backend's text, naming the op and the
+// table's range) plus where it was reported.
+enum class BadIndex { position = 0, target = 1 };
+constexpr int kBadIndexKinds = 2;
+
 class BadIndexFlag {
  public:
-  explicit BadIndexFlag(cudaStream_t stream) : stream_(stream), scratch_(stream) {}
-  to_status allocate() {
-    if (to_status s = scratch_.allocate(sizeof(int)); s != TO_OK) return s;
-    TENSOR_OPS_CUDA_CHECK(cudaMemsetAsync(scratch_.get<int>(), 0, sizeof(int), stream_));
-    return TO_OK;
-  }
-  int* device() const { return scratch_.get<int>(); }
-  to_status check(const std::string& message) {
-    int raised = 0;
-    TENSOR_OPS_CUDA_CHECK(cudaMemcpyAsync(&raised, device(), sizeof(int), cudaMemcpyDeviceToHost, stream_));
-    TENSOR_OPS_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return raised ? fail(TO_ERR_INVALID_ARGUMENT, message) : TO_OK;
-  }
+  explicit BadIndexFlag(BadIndex kind) : kind_(kind) {}
+  // The current device's flag (allocated and zeroed on its first use; kept
+  // until the process ends); message is what a raise reports.
+  to_status arm(const std::string& message);
+  int* device() const { return flag_; }
 
  private:
-  cudaStream_t stream_;
-  DeviceScratch scratch_;
+  BadIndex kind_;
+  int* flag_ = nullptr;
 };
+
+// After the device synchronized (gpu_copy, gpu_memset, gpu_synchronize):
+// fails with the message of any flag raised since the last report on this
+// device, and clears them.
+to_status report_bad_indices(int32_t device);
 
 // Kernel launchers, one per op (norm.cu, activation.cu, softmax.cu, rope.cu,
 // attention.cu): the core has validated the call.

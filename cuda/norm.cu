@@ -116,18 +116,113 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
   }
 }
 
-// Norm backward, first stage: dx per row, and per block the fp32 partial
-// sums over its rows of dy * x_hat (dweight) and dy (dbias, Layer only) in
-// partial[blockIdx.x] / partial[gridDim.x + blockIdx.x] (cols floats each;
-// every thread owns the columns of its chunks). The grid size depends on
-// rows only, so the sums come out the same on every run and every device.
-// dx may be dy or x (the core allows the same view): chunks stay with one
-// thread, as in the forward kernels.
-template <class T, int V, bool Layer>
+// Norm backward, first stage: dx per row, and per block the fp32 sums over
+// its rows of dy * x_hat (dweight) and dy (dbias, Layer only), written once
+// at the end to partial[blockIdx.x] / partial[gridDim.x + blockIdx.x] (cols
+// floats each). A persistent grid: each block strides over rows, and every
+// thread owns the same K chunks of every row (chunk threadIdx.x + j *
+// blockDim.x), so it keeps their weight, the row's x and dy (as stored) and
+// its dweight / dbias sums in registers: x, dy and w are each read once, and
+// the partial sums are written once per block. The grid size depends on rows
+// only, so the sums come out the same on every run and every device. dx may
+// be dy or x (the core allows the same view): a thread writes only chunks it
+// has already read.
+template <class T, int V, int K, bool Layer>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     norm_backward_kernel(const T* dy, int64_t dy_stride, const T* x, int64_t x_stride, const T* __restrict__ w,
-                         T* dx, int64_t dx_stride,
-                         float* __restrict__ partial, int64_t rows, int64_t cols, float eps) {
+                         T* dx, int64_t dx_stride, float* __restrict__ partial, int64_t rows, int64_t cols,
+                         float eps) {
+  using C = Vec<T, V>;
+  const int64_t chunks = cols / V;
+  int64_t idx[K];
+  bool has[K];
+  C wc[K] = {};
+  float dw[K][V], db[K][V];
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    idx[j] = int64_t(threadIdx.x) + int64_t(j) * blockDim.x;
+    has[j] = idx[j] < chunks;
+    if (has[j]) wc[j] = reinterpret_cast<const C*>(w)[idx[j]];
+#pragma unroll
+    for (int k = 0; k < V; ++k) dw[j][k] = db[j][k] = 0.0f;
+  }
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    C xc[K] = {}, gc[K] = {};
+    // Every load of the row before the first reduction.
+#pragma unroll
+    for (int j = 0; j < K; ++j)
+      if (has[j]) {
+        xc[j] = reinterpret_cast<const C*>(x + r * x_stride)[idx[j]];
+        gc[j] = reinterpret_cast<const C*>(dy + r * dy_stride)[idx[j]];
+      }
+    float mean = 0.0f, part = 0.0f;
+    if (Layer) {
+#pragma unroll
+      for (int j = 0; j < K; ++j)
+        if (has[j])
+#pragma unroll
+          for (int k = 0; k < V; ++k) part += to_f32(xc[j].v[k]);
+      mean = float(double(block_sum(part)) / double(cols));
+      part = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < K; ++j)
+      if (has[j])
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const float d = to_f32(xc[j].v[k]) - mean;
+          part += d * d;
+        }
+    const float rstd = float(1.0 / sqrt(double(block_sum(part)) / double(cols) + double(eps)));
+    // c1 = mean(g * x_hat), c2 = mean(g) with g = dy * w. g is rounded to
+    // fp32 the same way here and below (mul_rn: never fused into an FMA), so
+    // g - c2 is exactly 0 where it should be (cols == 1) and not the product's
+    // rounding error times rstd.
+    float p1 = 0.0f, p2 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; ++j)
+      if (has[j])
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const float g = to_f32(gc[j].v[k]);
+          const float xh = (to_f32(xc[j].v[k]) - mean) * rstd, gw = mul_rn(g, to_f32(wc[j].v[k]));
+          dw[j][k] += g * xh;
+          if (Layer) db[j][k] += g;
+          p1 += gw * xh;
+          p2 += gw;
+        }
+    const float c1 = float(double(block_sum(p1)) / double(cols));
+    const float c2 = Layer ? float(double(block_sum(p2)) / double(cols)) : 0.0f;
+    T* dr = dx + r * dx_stride;
+#pragma unroll
+    for (int j = 0; j < K; ++j)
+      if (has[j]) {
+        float a[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          a[k] = rstd * (mul_rn(to_f32(gc[j].v[k]), to_f32(wc[j].v[k])) - c2 -
+                         (to_f32(xc[j].v[k]) - mean) * rstd * c1);
+        store_chunk(dr, idx[j], a);
+      }
+  }
+  float* pw = partial + int64_t(blockIdx.x) * cols;
+  float* pb = partial + int64_t(gridDim.x + blockIdx.x) * cols;
+#pragma unroll
+  for (int j = 0; j < K; ++j)
+    if (has[j]) {
+      store_chunk(pw, idx[j], dw[j]);
+      if (Layer) store_chunk(pb, idx[j], db[j]);
+    }
+}
+
+// The first stage for rows too long for the registers (more than
+// kMaxRegisterChunks chunks per thread): the row is read again per pass and
+// the block's dweight / dbias sums live in partial, read and written per row.
+template <class T, int V, bool Layer>
+__global__ void __launch_bounds__(kMaxBlockThreads)
+    norm_backward_wide_kernel(const T* dy, int64_t dy_stride, const T* x, int64_t x_stride,
+                              const T* __restrict__ w, T* dx, int64_t dx_stride, float* __restrict__ partial,
+                              int64_t rows, int64_t cols, float eps) {
   const int64_t chunks = cols / V;
   float* dw = partial + int64_t(blockIdx.x) * cols;
   float* db = partial + int64_t(gridDim.x + blockIdx.x) * cols;
@@ -158,10 +253,6 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       for (int k = 0; k < V; ++k) part += (a[k] - mean) * (a[k] - mean);
     }
     const float rstd = float(1.0 / sqrt(double(block_sum(part)) / double(cols) + double(eps)));
-    // c1 = mean(g * x_hat), c2 = mean(g) with g = dy * w. g is rounded to
-    // fp32 the same way here and below (mul_rn: never fused into an FMA), so
-    // g - c2 is exactly 0 where it should be (cols == 1) and not the product's
-    // rounding error times rstd.
     float p1 = 0.0f, p2 = 0.0f;
     for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
       float a[V], g[V], wv[V];
@@ -192,21 +283,47 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
   }
 }
 
-// Second stage: out[c] = sum of partial[p][c] over p, in p order.
+// Second stage: out[c] = the sum over p of partial[p][c] (dweight, blockIdx.y
+// 0) or partial[parts + p][c] (dbias, blockIdx.y 1). A block takes
+// kSumCols columns: thread (ty, tx) sums rows ty, ty + kSumRows, ... of
+// column tx in that order (each warp reads whole 128-byte lines), then row 0
+// adds the kSumRows sums in ty order: a fixed order, so the same answer on
+// every run.
+constexpr int kSumCols = 32;
+constexpr int kSumRows = 8;
+
 template <class T>
-__global__ void column_sum_kernel(const float* __restrict__ partial, int64_t parts, int64_t cols,
-                                  T* __restrict__ out) {
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += int64_t(gridDim.x) * blockDim.x) {
+__global__ void __launch_bounds__(kSumCols * kSumRows)
+    column_sum_kernel(const float* __restrict__ partial, int64_t parts, int64_t cols, T* __restrict__ dweight,
+                      T* __restrict__ dbias) {
+  __shared__ float sums[kSumRows][kSumCols];
+  const float* src = partial + int64_t(blockIdx.y) * parts * cols;
+  T* out = blockIdx.y == 0 ? dweight : dbias;
+  const int tx = int(threadIdx.x) % kSumCols, ty = int(threadIdx.x) / kSumCols;
+  for (int64_t c0 = int64_t(blockIdx.x) * kSumCols; c0 < cols; c0 += int64_t(gridDim.x) * kSumCols) {
+    const int64_t c = c0 + tx;
     float s = 0.0f;
-    for (int64_t p = 0; p < parts; ++p) s += partial[p * cols + c];
-    out[c] = from_f32<T>(s);
+    if (c < cols)
+      for (int64_t p = ty; p < parts; p += kSumRows) s += src[p * cols + c];
+    sums[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0 && c < cols) {
+      float t = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kSumRows; ++k) t += sums[k][tx];
+      out[c] = from_f32<T>(t);
+    }
+    __syncthreads();
   }
 }
 
-// Blocks of the backward's first stage: the partial sums cost
-// 2 * kBackwardBlocks * cols floats of scratch.
-constexpr int64_t kBackwardBlocks = 256;
-constexpr int kColumnThreads = 256;
+// Blocks of the backward's first stage (one per SM of an H100; a constant,
+// not the device's count, so that the sums are the same on every device):
+// the partial sums cost 2 * kBackwardBlocks * cols floats of scratch.
+constexpr int64_t kBackwardBlocks = 132;
+// Chunks per thread the first stage keeps in registers (K); rows with more
+// take norm_backward_wide_kernel.
+constexpr int kMaxRegisterChunks = 4;
 
 template <class T>
 to_status rms_norm_typed(const to_op_call* c, cudaStream_t stream) {
@@ -267,24 +384,37 @@ to_status norm_backward_typed(const to_op_call* c, cudaStream_t stream) {
     if (to_status s = scratch.allocate(size_t(2 * parts * cols) * sizeof(float)); s != TO_OK) return s;
     const to_status s = with_chunk<T>(rows_aligned16({&gt, &xt, &wt, &dxt}, sizeof(T)), [&](auto v) {
       constexpr int V = decltype(v)::value;
-      norm_backward_kernel<T, V, Layer><<<unsigned(parts), row_block_threads(cols / V), 0, stream>>>(
-          element0<const T>(gt), gt.strides[0], element0<const T>(xt), xt.strides[0], element0<const T>(wt),
-          element0<T>(dxt), dxt.strides[0], scratch.get<float>(), rows, cols, float(c->scalars[0]));
+      const int64_t chunks = cols / V;
+      const int64_t per_thread = ceil_div(chunks, kMaxBlockThreads);
+      const float eps = float(c->scalars[0]);
+      auto run = [&](auto k) {
+        constexpr int K = decltype(k)::value;
+        norm_backward_kernel<T, V, K, Layer><<<unsigned(parts), row_block_threads(ceil_div(chunks, K)), 0, stream>>>(
+            element0<const T>(gt), gt.strides[0], element0<const T>(xt), xt.strides[0], element0<const T>(wt),
+            element0<T>(dxt), dxt.strides[0], scratch.get<float>(), rows, cols, eps);
+      };
+      if (per_thread <= 1)
+        run(std::integral_constant<int, 1>{});
+      else if (per_thread <= 2)
+        run(std::integral_constant<int, 2>{});
+      else if (per_thread <= kMaxRegisterChunks)
+        run(std::integral_constant<int, kMaxRegisterChunks>{});
+      else
+        norm_backward_wide_kernel<T, V, Layer><<<unsigned(parts), row_block_threads(chunks), 0, stream>>>(
+            element0<const T>(gt), gt.strides[0], element0<const T>(xt), xt.strides[0], element0<const T>(wt),
+            element0<T>(dxt), dxt.strides[0], scratch.get<float>(), rows, cols, eps);
       TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
       return TO_OK;
     });
     if (s != TO_OK) return s;
   }
   // With no rows the sums are zeros: parts == 0 reads no partials.
-  const unsigned blocks = unsigned(std::min(ceil_div(cols, kColumnThreads), kMaxGridBlocks));
-  const float* partial = scratch.get<float>();
-  column_sum_kernel<T><<<blocks, kColumnThreads, 0, stream>>>(partial, parts, cols, element0<T>(dwt));
+  if (cols == 0) return TO_OK;
+  const bool bias = Layer && c->ints[0] && dbt.data;
+  const dim3 grid(unsigned(std::min(ceil_div(cols, kSumCols), kMaxGridBlocks)), bias ? 2 : 1);
+  column_sum_kernel<T><<<grid, kSumCols * kSumRows, 0, stream>>>(scratch.get<float>(), parts, cols,
+                                                                 element0<T>(dwt), bias ? element0<T>(dbt) : nullptr);
   TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
-  if (Layer && c->ints[0] && dbt.data) {
-    column_sum_kernel<T><<<blocks, kColumnThreads, 0, stream>>>(partial ? partial + parts * cols : nullptr, parts,
-                                                                cols, element0<T>(dbt));
-    TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
-  }
   return TO_OK;
 }
 

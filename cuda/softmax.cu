@@ -196,8 +196,8 @@ to_status cross_entropy_typed(const to_op_call* c, cudaStream_t stream) {
   T* dlogits = c->ints[1] && dt.data ? element0<T>(dt) : nullptr;
   const to_tensor* grad = dlogits ? &dt : nullptr;
   const bool vec = rows_aligned16({&lt}, sizeof(T)) && (!grad || rows_aligned16({grad}, sizeof(T)));
-  BadIndexFlag bad(stream);
-  if (to_status s = bad.allocate(); s != TO_OK) return s;
+  BadIndexFlag bad(BadIndex::target);
+  if (to_status s = bad.arm(bad_target_message(cols, c->ints[0])); s != TO_OK) return s;
   const to_status s = with_chunk<T>(vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
     const unsigned threads = unsigned(row_block_threads(cols / V));
@@ -215,7 +215,7 @@ to_status cross_entropy_typed(const to_op_call* c, cudaStream_t stream) {
     return TO_OK;
   });
   if (s != TO_OK) return s;
-  return bad.check(bad_target_message(cols, c->ints[0]));
+  return TO_OK;
 }
 
 }  // namespace

@@ -48,7 +48,15 @@
 #define cudaGetLastError hipGetLastError
 #define cudaMalloc hipMalloc
 #define cudaMallocAsync hipMallocAsync
+#define cudaMallocFromPoolAsync hipMallocFromPoolAsync
+#define cudaMemAllocationTypePinned hipMemAllocationTypePinned
 #define cudaMemGetInfo hipMemGetInfo
+#define cudaMemLocationTypeDevice hipMemLocationTypeDevice
+#define cudaMemPoolAttrReleaseThreshold hipMemPoolAttrReleaseThreshold
+#define cudaMemPoolCreate hipMemPoolCreate
+#define cudaMemPoolProps hipMemPoolProps
+#define cudaMemPoolSetAttribute hipMemPoolSetAttribute
+#define cudaMemPool_t hipMemPool_t
 #define cudaMemcpy hipMemcpy
 #define cudaMemcpyAsync hipMemcpyAsync
 #define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice

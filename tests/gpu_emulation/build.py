@@ -12,6 +12,10 @@ touched; #line keeps diagnostics and ASan reports pointing at cuda/):
   extern __shared__ T name[];  ->  T* name = ::emu::dynamic_shared<T>();
   __shared__ T name[N];  ->  __shared__ T name[N]; EMU_SHARED_OBJECT(name)
       (registers the object, refilled with 0xff bytes for every block)
+With --traffic (AddressSanitizer off) the kernel files are compiled with
+GCC's kernel-address instrumentation made into calls, which the emulator
+defines to count the bytes each launch loads from and stores to device
+allocations (TENSOR_OPS_EMU_TRAFFIC=path: one line per launch; traffic.py).
 The kernels include include/cuda_runtime.h (or, for HIP, hip/vendor.h
 includes include/hip/hip_runtime.h): the emulated device and runtime.
 """
@@ -97,10 +101,14 @@ def main():
     ap.add_argument("--out", required=True, help="build directory; the plugin lands in it")
     ap.add_argument("--asan", action=argparse.BooleanOptionalAction, default=True,
                     help="AddressSanitizer: out-of-bounds global and shared memory accesses abort (default on)")
+    ap.add_argument("--traffic", action="store_true",
+                    help="count global-memory bytes per launch (needs --no-asan; see src/emu.cpp count_access)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     args = ap.parse_args()
 
+    if args.traffic and args.asan:
+        ap.error("--traffic needs --no-asan (both use GCC's address instrumentation)")
     hip = args.warp == 64
     name = "hip" if hip else "cuda"
     out = os.path.abspath(args.out)
@@ -133,6 +141,11 @@ def main():
         flags += ["-DTENSOR_OPS_HIP", "-D__HIPCC__"]
     if args.asan:
         flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    kernel_flags = ["-D__CUDACC__"] if not hip else []
+    if args.traffic:
+        flags += ["-DTENSOR_OPS_EMU_TRAFFIC"]
+        kernel_flags += ["-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
+                         "--param", "asan-stack=0", "--param", "asan-globals=0"]
 
     deps = []
     for d in (os.path.join(HERE, "include"), os.path.join(REPO, "cuda"), os.path.join(REPO, "hip"),
@@ -142,7 +155,7 @@ def main():
     deps.append(__file__)
     dep_time = newest(deps)
     stamp = os.path.join(out, "flags.txt")
-    flag_text = " ".join(flags)
+    flag_text = " ".join(flags + kernel_flags)
     if not os.path.exists(stamp) or open(stamp).read() != flag_text:
         with open(stamp, "w") as f:
             f.write(flag_text)
@@ -151,7 +164,7 @@ def main():
         src, obj, kernel_file = unit
         if os.path.exists(obj) and os.path.getmtime(obj) > max(dep_time, newest([src, stamp])):
             return None
-        cmd = [args.cxx] + flags + (["-D__CUDACC__"] if kernel_file and not hip else []) + \
+        cmd = [args.cxx] + flags + (kernel_flags if kernel_file else []) + \
             ["-x", "c++", "-c", src, "-o", obj]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
@@ -169,7 +182,7 @@ def main():
         (["-fsanitize=address"] if args.asan else []) + ["-Wl,--no-undefined", "-lpthread"]
     subprocess.run(cmd, check=True)
     print(f"build.py: {lib} ({total_launches} kernel launches rewritten, warp {args.warp}, "
-          f"asan {'on' if args.asan else 'off'})")
+          f"asan {'on' if args.asan else 'off'}{', traffic counted' if args.traffic else ''})")
 
 
 if __name__ == "__main__":

@@ -70,4 +70,37 @@ inline cudaError_t cudaDriverGetVersion(int* v) { return ::emu::driver_get_versi
 inline const char* cudaGetErrorName(cudaError_t e) { return ::emu::error_name(e); }
 inline const char* cudaGetErrorString(cudaError_t e) { return ::emu::error_string(e); }
 
+// Memory pools (cudaMemPoolCreate and what DeviceScratch uses of them).
+typedef emuMemPool* cudaMemPool_t;
+enum cudaMemAllocationType { cudaMemAllocationTypeInvalid = 0, cudaMemAllocationTypePinned = 1 };
+enum cudaMemLocationType { cudaMemLocationTypeInvalid = 0, cudaMemLocationTypeDevice = 1 };
+enum cudaMemPoolAttr { cudaMemPoolAttrReleaseThreshold = 4 };
+struct cudaMemLocation {
+  cudaMemLocationType type;
+  int id;
+};
+struct cudaMemPoolProps {
+  cudaMemAllocationType allocType;
+  int handleTypes;
+  cudaMemLocation location;
+  void* win32SecurityAttributes;
+  unsigned char reserved[64];
+};
+inline cudaError_t cudaMemPoolCreate(cudaMemPool_t* pool, const cudaMemPoolProps* props) {
+  if (!pool || !props || props->allocType != cudaMemAllocationTypePinned ||
+      props->location.type != cudaMemLocationTypeDevice)
+    return ::emu::kInvalidValue;
+  *pool = new emuMemPool();
+  return ::emu::kSuccess;
+}
+inline cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void* value) {
+  if (!pool || attr != cudaMemPoolAttrReleaseThreshold || !value) return ::emu::kInvalidValue;
+  pool->release_threshold = *static_cast<unsigned long long*>(value);
+  return ::emu::kSuccess;
+}
+inline cudaError_t cudaMallocFromPoolAsync(void** p, size_t n, cudaMemPool_t pool, cudaStream_t s) {
+  if (!pool) return ::emu::kInvalidValue;
+  return ::emu::malloc_async(p, n, s);
+}
+
 #endif

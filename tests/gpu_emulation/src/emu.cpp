@@ -496,7 +496,51 @@ std::string run_block(const Launch& L, uint3 bidx, char* smem) {
   return {};
 }
 
+// ---- global-memory traffic (the traffic build, build.py --traffic) ----
+// The kernel files are compiled with -fsanitize=kernel-address and every
+// access made a call (asan-instrumentation-with-call-threshold=0): GCC then
+// calls __asan_{load,store}{1,2,4,8,16,N}_noabort(addr) before each load and
+// store, which are defined below. While a kernel runs, an access inside a
+// device allocation (cudaMalloc[Async]) adds its size to the launch's loaded
+// or stored bytes; shared memory, the threads' stacks and host memory are
+// not device allocations and do not count. Every access counts, so a row
+// read twice counts twice: a count of the passes over global memory (the
+// DRAM traffic of a GPU whose caches hold nothing between passes).
+// TENSOR_OPS_EMU_TRAFFIC=path appends one line per launch:
+//   kernel <TAB> grid <TAB> block <TAB> loaded bytes <TAB> stored bytes
+void run_launch_blocks(const Launch& L);
+#ifdef TENSOR_OPS_EMU_TRAFFIC
+bool allocation_range(uintptr_t a, size_t bytes, uintptr_t* lo, uintptr_t* hi);
+bool counting = false;  // a kernel runs (only the draining host thread sets it)
+uint64_t loaded = 0, stored = 0;
+uintptr_t hit_lo = 1, hit_hi = 0;  // the allocation the last access hit
+
+void count_access(uintptr_t a, size_t n, bool store) {
+  if (!counting) return;
+  if (!(a >= hit_lo && a + n <= hit_hi) && !allocation_range(a, n, &hit_lo, &hit_hi)) return;
+  (store ? stored : loaded) += n;
+}
+
 void run_launch(const Launch& L) {
+  static const char* traffic_path = std::getenv("TENSOR_OPS_EMU_TRAFFIC");
+  if (!traffic_path || !*traffic_path) return run_launch_blocks(L);
+  loaded = stored = 0;
+  hit_lo = 1;
+  hit_hi = 0;
+  counting = true;
+  run_launch_blocks(L);
+  counting = false;
+  if (FILE* f = std::fopen(traffic_path, "a")) {
+    std::fprintf(f, "%s\t%s\t%s\t%llu\t%llu\n", L.kernel.c_str(), dim_str(L.grid).c_str(), dim_str(L.block).c_str(),
+                 (unsigned long long)loaded, (unsigned long long)stored);
+    std::fclose(f);
+  }
+}
+#else
+void run_launch(const Launch& L) { run_launch_blocks(L); }
+#endif
+
+void run_launch_blocks(const Launch& L) {
   if (!pending_fault.empty()) return;  // the device already faulted: later work does not run
   block_dim = L.block;
   grid_dim = L.grid;
@@ -551,6 +595,19 @@ bool in_allocation(const void* p, size_t bytes) {
   --it;
   return a >= it->first && a + bytes <= it->first + it->second;
 }
+
+#ifdef TENSOR_OPS_EMU_TRAFFIC
+bool allocation_range(uintptr_t a, size_t bytes, uintptr_t* lo, uintptr_t* hi) {
+  std::lock_guard<std::mutex> lock(alloc_mutex);
+  auto it = allocations.upper_bound(a);
+  if (it == allocations.begin()) return false;
+  --it;
+  if (!(a >= it->first && a + bytes <= it->first + it->second)) return false;
+  *lo = it->first;
+  *hi = it->first + it->second;
+  return true;
+}
+#endif
 
 Error fail(Error e) {
   last_error = e;
@@ -752,3 +809,23 @@ const char* error_string(Error e) {
 }
 
 }  // namespace emu
+
+// The traffic build's instrumentation callbacks (see count_access); hidden,
+// like everything in the plugin, so they bind inside it.
+#ifdef TENSOR_OPS_EMU_TRAFFIC
+#define EMU_TRAFFIC_CALLBACKS(n)                                                                 \
+  extern "C" void __asan_load##n##_noabort(uintptr_t a) { emu::count_access(a, n, false); } \
+  extern "C" void __asan_store##n##_noabort(uintptr_t a) { emu::count_access(a, n, true); }
+EMU_TRAFFIC_CALLBACKS(1)
+EMU_TRAFFIC_CALLBACKS(2)
+EMU_TRAFFIC_CALLBACKS(4)
+EMU_TRAFFIC_CALLBACKS(8)
+EMU_TRAFFIC_CALLBACKS(16)
+extern "C" void __asan_loadN_noabort(uintptr_t a, size_t n) {
+  emu::count_access(a, n, false);
+}
+extern "C" void __asan_storeN_noabort(uintptr_t a, size_t n) {
+  emu::count_access(a, n, true);
+}
+extern "C" void __asan_handle_no_return() {}
+#endif

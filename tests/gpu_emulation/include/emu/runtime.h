@@ -39,6 +39,11 @@ struct dim3 {
 
 struct emuStream;
 struct emuEvent;
+// A stream-ordered memory pool: device allocations like cudaMallocAsync's
+// (the emulator caches nothing); its attributes are kept and ignored.
+struct emuMemPool {
+  unsigned long long release_threshold = 0;
+};
 
 namespace emu {
 

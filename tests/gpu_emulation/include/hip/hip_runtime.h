@@ -70,4 +70,37 @@ inline hipError_t hipDriverGetVersion(int* v) { return ::emu::driver_get_version
 inline const char* hipGetErrorName(hipError_t e) { return ::emu::error_name(e); }
 inline const char* hipGetErrorString(hipError_t e) { return ::emu::error_string(e); }
 
+// Memory pools (cudaMemPoolCreate and what DeviceScratch uses of them).
+typedef emuMemPool* hipMemPool_t;
+enum hipMemAllocationType { hipMemAllocationTypeInvalid = 0, hipMemAllocationTypePinned = 1 };
+enum hipMemLocationType { hipMemLocationTypeInvalid = 0, hipMemLocationTypeDevice = 1 };
+enum hipMemPoolAttr { hipMemPoolAttrReleaseThreshold = 4 };
+struct hipMemLocation {
+  hipMemLocationType type;
+  int id;
+};
+struct hipMemPoolProps {
+  hipMemAllocationType allocType;
+  int handleTypes;
+  hipMemLocation location;
+  void* win32SecurityAttributes;
+  unsigned char reserved[64];
+};
+inline hipError_t hipMemPoolCreate(hipMemPool_t* pool, const hipMemPoolProps* props) {
+  if (!pool || !props || props->allocType != hipMemAllocationTypePinned ||
+      props->location.type != hipMemLocationTypeDevice)
+    return ::emu::kInvalidValue;
+  *pool = new emuMemPool();
+  return ::emu::kSuccess;
+}
+inline hipError_t hipMemPoolSetAttribute(hipMemPool_t pool, hipMemPoolAttr attr, void* value) {
+  if (!pool || attr != hipMemPoolAttrReleaseThreshold || !value) return ::emu::kInvalidValue;
+  pool->release_threshold = *static_cast<unsigned long long*>(value);
+  return ::emu::kSuccess;
+}
+inline hipError_t hipMallocFromPoolAsync(void** p, size_t n, hipMemPool_t pool, hipStream_t s) {
+  if (!pool) return ::emu::kInvalidValue;
+  return ::emu::malloc_async(p, n, s);
+}
+
 #endif

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Global-memory traffic of each op on the emulated CUDA plugin, against the
+ideal (every input read once, every output written once).
+
+Runs with the traffic build of the plugin (build.py --traffic) on
+TENSOR_OPS_PLUGIN_PATH and the package without its real cuda plugin on
+PYTHONPATH, as .ci/gpu_emulation sets them up. For each case it runs the op
+once on the `cuda` backend with TENSOR_OPS_EMU_TRAFFIC set, sums the bytes the
+kernels loaded and stored in device memory (every access counts: a row read
+in three passes counts three times) and prints bytes / ideal per op and per
+kernel. Fails when an op is above 1.1x and not in KNOWN, or above its KNOWN
+ratio (a regression), or when a KNOWN op is now within 1.1x (update KNOWN).
+
+    python3 tests/gpu_emulation/traffic.py [--case rms_norm] [--verbose]
+"""
+import argparse
+import collections
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+try:
+    import ml_dtypes
+except ImportError:  # bfloat16 numpy arrays need ml_dtypes
+    ml_dtypes = None
+
+import tensor_ops as to
+
+ROWS, COLS = 256, 4096
+# The norm backward also at a training shape: its per-block dweight / dbias
+# partials (kBackwardBlocks x cols floats) are paid once per call, so their
+# share falls with the rows.
+LONG_ROWS = 4096
+LIMIT = 1.1
+# Ops above LIMIT today: the ratio they are at (bytes / ideal, rounded up at
+# the second decimal). A run above it fails (a regression); a run within
+# LIMIT fails too, so that the table is kept true. Issue 23 is the plan.
+# Why (2026-11-24): the row kernels reload the row once per pass (norms 2-3
+# passes, softmax / cross-entropy 2) and read the weight once per row; rope
+# reads cos / sin once per head; the norm backward reads x and dy in several
+# passes and its dweight / dbias partials go through global memory.
+# The norm backward (2026-11-24, after): x, dy and w read once; what is left
+# is its kBackwardBlocks x cols partial sums, written and read once (at 256
+# rows as large as the rows; the @4096 cases show it within 1.1x).
+KNOWN = {
+    "rms_norm/float32": 2.00,
+    "layer_norm/float32": 2.99,
+    "add_rms_norm/float32": 1.50,
+    "softmax/float32": 1.50,
+    "log_softmax/float32": 1.50,
+    "softmax_backward/float32": 1.67,
+    "rope/float32": 1.97,
+    "cross_entropy/float32": 1.75,
+    "cross_entropy_with_grad/float32": 1.88,
+    "rms_norm_backward/float32": 1.52,
+    "layer_norm_backward/float32": 1.86,
+    "rms_norm/bfloat16": 2.00,
+    "layer_norm/bfloat16": 2.99,
+    "add_rms_norm/bfloat16": 1.50,
+    "softmax/bfloat16": 1.50,
+    "log_softmax/bfloat16": 1.50,
+    "softmax_backward/bfloat16": 1.67,
+    "rope/bfloat16": 2.47,
+    "cross_entropy/bfloat16": 1.63,
+    "cross_entropy_with_grad/bfloat16": 1.82,
+    "rms_norm_backward/bfloat16": 1.86,
+    "layer_norm_backward/bfloat16": 2.55,
+}
+
+
+def dtype_of(name):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def cases(dtype):
+    """(name, fn, inputs, output bytes) per op; fn(*inputs) runs it."""
+    rng = np.random.default_rng(0)
+    dt = dtype_of(dtype)
+
+    def rand(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dt)
+
+    es = np.dtype(dt).itemsize
+    n = ROWS * COLS * es
+    x, dy, res = rand(ROWS, COLS), rand(ROWS, COLS), rand(ROWS, COLS)
+    w, b = rand(COLS), rand(COLS)
+    y = to.softmax(x)
+    target = rng.integers(0, COLS, size=ROWS).astype(np.int64)
+    # rope: [batch 1, seq 256, heads 32, head_dim 128] (as many elements as
+    # [256, 4096]), tables for 256 positions.
+    B, S, H, D = 1, ROWS, COLS // 128, 128
+    xr = rand(B, S, H, D)
+    ang = np.arange(S)[:, None] * (1e-2 * np.arange(D // 2))[None, :]
+    cos, sin = np.cos(ang).astype(np.float32).astype(dt), np.sin(ang).astype(np.float32).astype(dt)
+    pos = np.arange(S, dtype=np.int64)[None, :]
+    return [
+        ("rms_norm", to.rms_norm, (x, w), n),
+        ("layer_norm", to.layer_norm, (x, w, b), n),
+        ("add_rms_norm", to.add_rms_norm, (x, res, w), 2 * n),
+        ("softmax", to.softmax, (x,), n),
+        ("log_softmax", to.log_softmax, (x,), n),
+        ("softmax_backward", to.softmax_backward, (dy, y), n),
+        ("silu", to.silu, (x,), n),
+        ("gelu", to.gelu, (x,), n),
+        ("silu_backward", to.silu_backward, (dy, x), n),
+        ("swiglu", to.swiglu, (x, res), n),
+        ("swiglu_backward", to.swiglu_backward, (dy, x, res), 2 * n),
+        ("rope", lambda *a: to.rope(*a), (xr, cos, sin, pos), n),
+        ("cross_entropy", lambda l, t: to.cross_entropy(l, t, reduction="none"), (x, target), ROWS * 4),
+        ("cross_entropy_with_grad", lambda l, t: to.cross_entropy_with_grad(l, t, reduction="none"), (x, target),
+         ROWS * 4 + n),
+        ("rms_norm_backward", to.rms_norm_backward, (dy, x, w), n + COLS * es),
+        ("layer_norm_backward", to.layer_norm_backward, (dy, x, w), n + 2 * COLS * es),
+    ] + [
+        (f"{name}@{LONG_ROWS}", fn, (dy2, x2, w), LONG_ROWS * COLS * es + extra * COLS * es)
+        for name, fn, extra in (("rms_norm_backward", to.rms_norm_backward, 1),
+                                ("layer_norm_backward", to.layer_norm_backward, 2))
+        for dy2, x2 in [(rand(LONG_ROWS, COLS), rand(LONG_ROWS, COLS))]
+    ]
+
+
+def read_launches(path):
+    out = []
+    if os.path.exists(path):
+        for line in open(path).read().splitlines():
+            kernel, grid, block, loaded, stored = line.split("\t")
+            out.append((kernel, grid, block, int(loaded), int(stored)))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", action="append", help="only these ops (repeatable)")
+    ap.add_argument("--dtype", action="append", help="float32 / bfloat16 (default both)")
+    ap.add_argument("--verbose", action="store_true", help="bytes per kernel too")
+    a = ap.parse_args()
+    if "cuda" not in {b.name for b in to.backends() if b.usable}:
+        sys.exit("traffic.py: the cuda backend is not usable (is TENSOR_OPS_PLUGIN_PATH the traffic build's directory?)")
+    fd, log = tempfile.mkstemp(prefix="tensor_ops_traffic_")
+    os.close(fd)
+    os.environ["TENSOR_OPS_EMU_TRAFFIC"] = log  # read by the emulator at its first launch
+    problems = []
+    print(f"{'op':<26}{'dtype':<10}{'loaded/in':>10}{'stored/out':>11}{'bytes/ideal':>12}  known")
+    for dtype in a.dtype or ["float32", "bfloat16"]:
+        with to.use("cuda"):
+            todo = cases(dtype)
+        for name, fn, inputs, out_bytes in todo:
+            if a.case and name not in a.case:
+                continue
+            in_bytes = sum(np.asarray(t).nbytes for t in inputs)
+            open(log, "w").close()
+            with to.use("cuda"):
+                fn(*inputs)
+            launches = read_launches(log)
+            if not launches:
+                problems.append(f"{name} {dtype}: no kernel launch counted")
+                continue
+            loaded = sum(l[3] for l in launches)
+            stored = sum(l[4] for l in launches)
+            ratio = (loaded + stored) / (in_bytes + out_bytes)
+            key = f"{name}/{dtype}"
+            known = KNOWN.get(key)
+            print(f"{name:<26}{dtype:<10}{loaded / in_bytes:>10.2f}{stored / out_bytes:>11.2f}{ratio:>12.3f}  "
+                  f"{known if known else ''}")
+            if a.verbose:
+                per = collections.defaultdict(lambda: [0, 0, 0])
+                for k, _, _, ld, st in launches:
+                    per[k][0] += 1
+                    per[k][1] += ld
+                    per[k][2] += st
+                for k, (count, ld, st) in per.items():
+                    print(f"    {k}: {count} launch(es), {ld} B loaded, {st} B stored")
+            if known is None and ratio > LIMIT:
+                problems.append(f"{key}: {ratio:.3f}x the ideal traffic, above {LIMIT} and not in KNOWN")
+            elif known is not None and ratio > known + 1e-9:
+                problems.append(f"{key}: {ratio:.3f}x the ideal traffic, above its known {known} (a regression)")
+            elif known is not None and ratio <= LIMIT:
+                problems.append(f"{key}: {ratio:.3f}x is within {LIMIT} now: take it out of KNOWN")
+    os.unlink(log)
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        sys.exit(f"traffic.py: {len(problems)} problem(s)")
+    print(f"traffic.py: every op within {LIMIT}x of the ideal traffic or at its known ratio")
+
+
+if __name__ == "__main__":
+    main()
