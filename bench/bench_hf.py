@@ -4,8 +4,8 @@ after prepare_model(model, "O1"), interleaved in one process.
     python bench/bench_hf.py [--families llama gpt2 ...] [--hidden 512]
         [--layers 2] [--vocab 1000] [--batch 4] [--seq 256] [--prompt 256]
         [--new-tokens 128] [--reps 10] [--threads 1 2]
-        [--dtypes float32 bfloat16] [--json bench/out/hf.json] [--smoke | --quick]
-        [--profile]
+        [--dtypes float32 bfloat16] [--bf16-reps N] [--no-bf16-train]
+        [--json bench/out/hf.json] [--smoke | --quick] [--profile]
 
 Per family, thread count and dtype: forward (no grad), a training step
 (forward + backward + optimizer step: torch's default AdamW for the
@@ -18,9 +18,13 @@ measured in a fresh interpreter (this script again, spawned, with a time
 limit) that rebuilds the model from the config and seed: its peak RSS during
 the step over its RSS before it. Threads: torch's and tensor_ops' CPU kernel
 threads alike. --smoke: a tiny size and 2 reps, to check the script runs
-(the numbers mean nothing). --quick: llama and gpt2 at the default size,
-10 reps (the issue's numbers in ~10 minutes on a quiet machine). Prints a
-markdown table; --json writes every number.
+(the numbers mean nothing; peak RSS for the first row only). --quick:
+llama and gpt2 at the issue's size, float32 as above, bfloat16 forward and
+decode only at 3 reps: on a CPU without bf16 instructions (AVX2 only)
+torch's bf16 GEMMs are emulated and one bf16 training step of llama here
+takes ~25 s, so ten of them per model do not fit in minutes. Prints a
+markdown table (medians in ms or tokens/s, original / prepared, speedup,
+seconds the row took); --json writes every number.
 
 --profile (llama unless --families is given; --threads / --dtypes as above):
 torch.profiler over the forward, forward + backward, and the training step
@@ -221,31 +225,53 @@ def paired(models: dict, make) -> dict:
     return {k: own_rope(k, m, make(k, m)) for k, m in models.items()}
 
 
-def bench_family(family, args, dtype, threads):
+def bench_family(family, args, dtype, threads, reps: int, train: bool, rss: bool):
+    """One row: forward, decode and (when train) the training step, reps
+    each; the peak RSS children when rss."""
+    start = time.perf_counter()
     set_threads(threads)
     models, result = build_pair(family, args, dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(3, args.vocab, (args.batch, args.seq), generator=g)
     prompt = torch.randint(3, args.vocab, (1, args.prompt), generator=g)
-    row = {"family": family, "dtype": str(dtype).replace("torch.", ""), "threads": threads,
+    row = {"family": family, "dtype": str(dtype).replace("torch.", ""), "threads": threads, "reps": reps,
            "warnings": result.warnings}
     for m in models.values():
         m.eval()
     with torch.no_grad():
-        fwd = interleaved(paired(models, lambda k, m: lambda: m(x)), args.reps)
+        fwd = interleaved(paired(models, lambda k, m: lambda: m(x)), reps)
         gen_kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                       pad_token_id=0)
-        gen = interleaved(paired(models, lambda k, m: lambda: m.generate(prompt, **gen_kw)), args.reps)
-    for m in models.values():
-        m.train()
-    train = interleaved(paired(models, lambda k, m: make_train_step(k, m, x)), args.reps)
-    rss = {k: peak_rss_bytes(family, args, dtype, threads, k) if args.rss else None for k in models}
+        gen = interleaved(paired(models, lambda k, m: lambda: m.generate(prompt, **gen_kw)), reps)
+    step = dict.fromkeys(models)
+    if train:
+        for m in models.values():
+            m.train()
+        step = interleaved(paired(models, lambda k, m: make_train_step(k, m, x)), reps)
+    peak = {k: peak_rss_bytes(family, args, dtype, threads, k) if rss and train else None for k in models}
     for k in models:
-        row[k] = {"forward_s": fwd[k], "train_step_s": train[k], "decode_tokens_per_s": args.new_tokens / gen[k],
-                  "train_peak_rss_bytes": rss[k]}
-    row["speedup"] = {"forward": fwd["original"] / fwd["prepared"], "train_step": train["original"] / train["prepared"],
+        row[k] = {"forward_s": fwd[k], "train_step_s": step[k], "decode_tokens_per_s": args.new_tokens / gen[k],
+                  "train_peak_rss_bytes": peak[k]}
+    row["speedup"] = {"forward": fwd["original"] / fwd["prepared"],
+                      "train_step": step["original"] / step["prepared"] if train else None,
                       "decode": gen["original"] / gen["prepared"]}
+    row["elapsed_s"] = time.perf_counter() - start
     return row
+
+
+def _pair(o, p, scale, fmt, speedup) -> str:
+    if o is None:
+        return "-"
+    return f"{o * scale:{fmt}} / {p * scale:{fmt}} ({speedup:.2f}x)"
+
+
+def print_row(r) -> None:
+    o, p, s = r["original"], r["prepared"], r["speedup"]
+    print(f"| {r['family']} | {r['dtype']} | {r['threads']} | {r['reps']} "
+          f"| {_pair(o['forward_s'], p['forward_s'], 1e3, '.0f', s['forward'])} "
+          f"| {_pair(o['train_step_s'], p['train_step_s'], 1e3, '.0f', s['train_step'])} "
+          f"| {_pair(o['decode_tokens_per_s'], p['decode_tokens_per_s'], 1, '.1f', s['decode'])} "
+          f"| {mib(o['train_peak_rss_bytes'])} / {mib(p['train_peak_rss_bytes'])} | {r['elapsed_s']:.0f} |", flush=True)
 
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
@@ -361,7 +387,11 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--json", type=pathlib.Path)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 2 reps: checks the script, not the speed")
-    ap.add_argument("--quick", action="store_true", help="llama and gpt2 only (the issue's numbers in ~10 min)")
+    ap.add_argument("--quick", action="store_true",
+                    help="llama and gpt2; bfloat16 with --bf16-reps 3 and --no-bf16-train (see above)")
+    ap.add_argument("--bf16-reps", type=int, help="reps for bfloat16 (default: --reps)")
+    ap.add_argument("--no-bf16-train", dest="bf16_train", action="store_false",
+                    help="bfloat16: forward and decode only (no training step, no peak RSS)")
     ap.add_argument("--profile", action="store_true", help="the profiler's GEMM / non-GEMM split (see above)")
     ap.add_argument("--profile-reps", type=int, default=3, help="profiled calls per model and phase, per round")
     ap.add_argument("--top", type=int, default=10, help="non-GEMM ops listed per model with --profile")
@@ -375,6 +405,8 @@ def main():
     if args.smoke:
         args.hidden, args.layers, args.vocab, args.batch, args.seq = 64, 1, 128, 1, 16
         args.prompt, args.new_tokens, args.reps, args.profile_reps = 8, 4, 2, 1
+    if args.quick:
+        args.bf16_reps, args.bf16_train = args.bf16_reps or 3, False
     if args.families is None:
         args.families = ["llama"] if args.profile else ["llama", "gpt2"] if args.quick else FAMILIES
     if args.profile:
@@ -386,19 +418,18 @@ def main():
                                             indent=1))
         return
     rows = []
-    print("| family | dtype | threads | forward x | train step x | decode x | decode tok/s (orig / ours) "
-          "| train peak RSS MiB (orig / ours) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| family | dtype | threads | reps | forward ms (orig / ours) | train step ms (orig / ours) "
+          "| decode tok/s (orig / ours) | train peak RSS MiB (orig / ours) | s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes:
+        bf16 = dtype == "bfloat16"
         for threads in args.threads:
             for family in args.families:
-                r = bench_family(family, args, getattr(torch, dtype), threads)
+                r = bench_family(family, args, getattr(torch, dtype), threads,
+                                 reps=(args.bf16_reps or args.reps) if bf16 else args.reps,
+                                 train=args.bf16_train or not bf16, rss=args.rss and not (args.smoke and rows))
                 rows.append(r)
-                o, p, s = r["original"], r["prepared"], r["speedup"]
-                print(f"| {family} | {dtype} | {threads} | {s['forward']:.2f} | {s['train_step']:.2f} "
-                      f"| {s['decode']:.2f} | {o['decode_tokens_per_s']:.1f} / {p['decode_tokens_per_s']:.1f} "
-                      f"| {mib(o['train_peak_rss_bytes'])} / {mib(p['train_peak_rss_bytes'])} |",
-                      flush=True)
+                print_row(r)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=1))
