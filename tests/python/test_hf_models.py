@@ -454,3 +454,29 @@ def test_class_patch_fused_linear_cross_entropy_trains_without_logits():
         assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
     finally:
         hf.revert_tensor_ops_kernel("qwen2")
+
+
+def test_conv1d_epilogue_weight_gradient_in_the_weights_layout():
+    """GPT-2's Conv1D keeps its weight [in, out] and our epilogue sees it as a
+    transposed view: the weight gradient must come back in that view's own
+    layout (a transposed [in, out] GEMM), else autograd copies the whole
+    gradient into .grad's layout every step; values as HF's Conv1D + GELU."""
+    from tensor_ops.torch.fused_linear import linear_activation
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=g, requires_grad=True)
+    w = torch.randn(16, 24, generator=g, requires_grad=True)  # Conv1D: [in, out]
+    b = torch.randn(24, generator=g, requires_grad=True)
+    seen = []
+    wt = w.t()
+    wt.register_hook(lambda grad: seen.append(grad.stride()))
+    y = linear_activation(x, wt, b, "gelu_tanh")
+    dy = torch.randn(y.shape, generator=g)
+    y.backward(dy)
+    assert seen == [wt.stride()], (seen, wt.stride())
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    ref = torch.nn.functional.gelu(torch.addmm(b2, x2.view(-1, 16), w2), approximate="tanh").view(3, 5, 24)
+    ref.backward(dy)
+    torch.testing.assert_close(y, ref)
+    for got, want in ((x.grad, x2.grad), (w.grad, w2.grad), (b.grad, b2.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

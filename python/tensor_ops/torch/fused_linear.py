@@ -57,7 +57,11 @@ class _LinearActivation(torch.autograd.Function):
             # float32[2048, 3072] (2 AVX2 threads, 2026-11): torch's, until it is not.
             dh = torch.ops.aten.gelu_backward(dy, h, approximate="none")
         dx = dh.mm(weight) if ctx.needs_input_grad[0] else None
-        dw = dh.t().mm(x2) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            # In the weight's own layout: a Conv1D's [in, out] weight comes as a transposed view, and a
+            # gradient in the other layout would be copied whole by autograd's accumulation into .grad.
+            dw = x2.t().mm(dh).t() if weight.t().is_contiguous() and not weight.is_contiguous() else dh.t().mm(x2)
         db = dh.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None
 

@@ -413,11 +413,19 @@ def _set_attention(model: nn.Module, warnings: List[str], counts) -> None:
 
 # ----------------------------------------------------------------------- RoPE
 
-def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor):
+    """HF's cos / sin [batch, seq, rotary_dim] as our kernel's [rows, rotary_dim / 2] tables and the
+    positions that pick each batch's rows (None for batch 1); once per call, for q and k alike."""
     b, s, rd = cos.shape
     half = rd // 2
     c, sn = cos[..., :half].reshape(b * s, half), sin[..., :half].reshape(b * s, half)
     positions = None if b == 1 else torch.arange(b * s, device=cos.device).view(b, s)
+    return c, sn, positions
+
+
+def _rope_one(x: torch.Tensor, c: torch.Tensor, sn: torch.Tensor, positions) -> torch.Tensor:
+    # x [batch, heads, seq, d] is HF's transposed view of the projection's [batch, seq, heads, d]: our
+    # kernel's layout, so the transpose back is free.
     return ops.rope(x.transpose(1, 2), c, sn, positions).transpose(1, 2)
 
 
@@ -431,7 +439,8 @@ def _rope_function(original: Callable) -> Callable:
               and cos.shape[0] in (1, q.shape[0]) and q.shape[0] == k.shape[0])
         if not ok:
             return original(q, k, cos, sin, *args, **kwargs)
-        return _rope_one(q, cos, sin), _rope_one(k, cos, sin)
+        tables = _rope_tables(cos, sin)
+        return _rope_one(q, *tables), _rope_one(k, *tables)
 
     apply_rotary_pos_emb._tensor_ops_original = original
     return apply_rotary_pos_emb
