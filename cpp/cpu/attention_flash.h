@@ -38,10 +38,11 @@ TENSOR_OPS_VEC_INLINE vf bcast(const float* p) {
 #endif
 }
 
-// C[MR][16] = (acc ? C : 0) + A[MR][K] B[K][16]
+// C[MR][16] = (acc ? C : 0) + A[MR][K] B[K][16]; A's element (r, k) at
+// A[r * lda + k * ak] (ak = 1: row-major; lda = 1: a transposed, packed tile).
 template <int MR>
-TENSOR_OPS_VEC_INLINE void attn_micro(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-                                      int64_t ldc, bool acc) {
+TENSOR_OPS_VEC_INLINE void attn_micro(int64_t K, const float* A, int64_t lda, int64_t ak, const float* B, int64_t ldb,
+                                      float* C, int64_t ldc, bool acc) {
   // Every loop but k unrolled by pragma: without it GCC kept c[][] on the
   // stack and stored all of it back on every k.
   vf c[MR][kNV];
@@ -49,13 +50,13 @@ TENSOR_OPS_VEC_INLINE void attn_micro(int64_t K, const float* A, int64_t lda, co
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < kNV; ++v) c[r][v] = acc ? vload(C + r * ldc + v * kVW) : vf{};
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = 0; k < K; ++k, A += ak, B += ldb) {
     vf b[kNV];
 #pragma GCC unroll 4
-    for (int v = 0; v < kNV; ++v) b[v] = vload(B + k * ldb + v * kVW);
+    for (int v = 0; v < kNV; ++v) b[v] = vload(B + v * kVW);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const vf a = bcast(A + r * lda + k);
+      const vf a = bcast(A + r * lda);
 #pragma GCC unroll 4
       for (int v = 0; v < kNV; ++v) c[r][v] += a * b[v];
     }
@@ -66,23 +67,29 @@ TENSOR_OPS_VEC_INLINE void attn_micro(int64_t K, const float* A, int64_t lda, co
     for (int v = 0; v < kNV; ++v) vstore(C + r * ldc + v * kVW, c[r][v]);
 }
 
-// C[M][N] = (acc ? C : 0) + A[M][K] B[K][N] on fp32 tiles; N a multiple of kNL.
-inline void attn_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                      float* C, int64_t ldc, bool acc) {
+// C[M][N] = (acc ? C : 0) + A[M][K] B[K][N] on fp32 tiles; N a multiple of
+// kNL; A's element (m, k) at A[m * lda + k * ak].
+inline void attn_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_t ak, const float* B,
+                      int64_t ldb, float* C, int64_t ldc, bool acc) {
   for (int64_t n = 0; n < N; n += kNL) {
     int64_t m = 0;
-    for (; m + kMR <= M; m += kMR) attn_micro<kMR>(K, A + m * lda, lda, B + n, ldb, C + m * ldc + n, ldc, acc);
+    for (; m + kMR <= M; m += kMR) attn_micro<kMR>(K, A + m * lda, lda, ak, B + n, ldb, C + m * ldc + n, ldc, acc);
     const float* a = A + m * lda;
     float* c = C + m * ldc + n;
     switch (M - m) {
-      case 5: attn_micro<5>(K, a, lda, B + n, ldb, c, ldc, acc); break;
-      case 4: attn_micro<4>(K, a, lda, B + n, ldb, c, ldc, acc); break;
-      case 3: attn_micro<3>(K, a, lda, B + n, ldb, c, ldc, acc); break;
-      case 2: attn_micro<2>(K, a, lda, B + n, ldb, c, ldc, acc); break;
-      case 1: attn_micro<1>(K, a, lda, B + n, ldb, c, ldc, acc); break;
+      case 5: attn_micro<5>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
+      case 4: attn_micro<4>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
+      case 3: attn_micro<3>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
+      case 2: attn_micro<2>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
+      case 1: attn_micro<1>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
       default: break;
     }
   }
+}
+// Row-major A.
+inline void attn_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                      float* C, int64_t ldc, bool acc) {
+  attn_gemm(M, N, K, A, lda, 1, B, ldb, C, ldc, acc);
 }
 
 inline void zero_f(float* p, int64_t n) {
@@ -350,12 +357,88 @@ void attention_backward_q(const to_op_call& c, const AttnShape& s, int64_t i0, i
   }
 }
 
+// Fused (ints[6] == 2): items (batch, kv head) -> dQ, dK and dV, with the
+// five tile products of FlashAttention-2 (S and dP computed once per tile
+// pair). Key tiles outside, row tiles inside; dQ accumulates in fp32 in the
+// item's scratch. Every sum runs in the same order as in phases 0 and 1
+// (dK / dV over rows ascending, dQ over keys ascending, each product element
+// one fused multiply-add chain over head_dim), so both schedules give the
+// same bits and the dispatcher may pick either (cpu_backend.cpp).
+// scratch (attention_fused_backward_scratch_floats): dQ | Q^T | dO^T (rows
+// tile by tile, [Dp][kAttnRows] each) | L | Delta | lim (rows) | K (keys x
+// Dp) | K^T | V^T | dK^T | dV^T (Dp x keys) | S | dP (rows x keys) | two
+// row tiles | Dp
+template <DType D>
+void attention_backward_fused(const to_op_call& c, const AttnShape& s, int64_t i0, int64_t i1, float* scratch) {
+  const to_tensor &k = c.inputs[2], &v = c.inputs[3], &dq = c.outputs[0], &dk = c.outputs[1], &dv = c.outputs[2];
+  const int64_t Dp = s.Dp, R = kAttnRows, K = kAttnKeys, rows_pad = s.row_tiles * R;
+  float *dQ = scratch, *Qt = dQ + rows_pad * Dp, *dOt = Qt + rows_pad * Dp, *L = dOt + rows_pad * Dp,
+        *Delta = L + rows_pad, *lim = Delta + rows_pad, *Kr = lim + rows_pad, *Kt = Kr + K * Dp, *Vt = Kt + Dp * K,
+        *dKt = Vt + Dp * K, *dVt = dKt + Dp * K, *S = dVt + Dp * K, *dP = S + R * K, *T0 = dP + R * K,
+        *T1 = T0 + R * Dp, *tmp = T1 + R * Dp;
+  float* Vr = T0;  // a key tile's V rows before the transpose (K x Dp over T0 and T1)
+  static_assert(2 * kAttnRows >= kAttnKeys, "V rows fit in the two row tiles");
+  vf lane = {};
+  for (int x = 0; x < kVW; ++x) lane[x] = float(x);
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t b = it / s.Hkv, kvh = it % s.Hkv;
+    // every row tile's Q^T, dO^T, lse, Delta and limits, once
+    for (int64_t t = 0; t < s.row_tiles; ++t) {
+      const int64_t r0 = t * R, nr = min64(R, s.rows - r0);
+      attn_load_grad_rows<D>(s, c, b, kvh, r0, nr, T0, T1, L + r0, Delta + r0, lim + r0, tmp);
+      attn_transpose(s, T0, Dp, R, Qt + r0 * Dp);
+      attn_transpose(s, T1, Dp, R, dOt + r0 * Dp);
+    }
+    zero_f(dQ, rows_pad * Dp);
+    for (int64_t j0 = 0; j0 < s.Lk; j0 += K) {
+      const int64_t nk = min64(K, s.Lk - j0);
+      attn_load_keys<D>(s, k.data, b, kvh, j0, nk, Kr, Dp, K);
+      attn_transpose(s, Kr, Dp, K, Kt);
+      attn_load_keys<D>(s, v.data, b, kvh, j0, nk, Vr, Dp, K);
+      attn_transpose(s, Vr, Dp, K, Vt);
+      zero_f(dKt, 2 * Dp * K);
+      int64_t first = 0;  // the first packed row that can see key j0: position j0 - off
+      if (s.causal) first = (j0 - s.off) * s.G;
+      if (first < 0) first = 0;
+      for (int64_t r0 = first / R * R; r0 < s.rows; r0 += R) {
+        const int64_t nr = min64(R, s.rows - r0);
+        const float *qt = Qt + r0 * Dp, *dot = dOt + r0 * Dp;
+        attn_gemm(nr, K, s.Dm, qt, 1, R, Kt, K, S, K, false);    // S = Q K^T
+        attn_gemm(nr, K, s.Dm, dot, 1, R, Vt, K, dP, K, false);  // dP = dO V^T
+        for (int64_t r = 0; r < nr; ++r) {
+          float *prow = S + r * K, *dprow = dP + r * K;
+          const vf lr = splat<vf>(L[r0 + r]), dr = splat<vf>(Delta[r0 + r]);
+          const vf lim_r = splat<vf>(min_t(lim[r0 + r], float(j0 + nk - 1)));
+          for (int64_t j = 0; j < K; j += kVW) {
+            const vf p = masked_exp(vload(prow + j) * s.scale - lr, lane + float(j0 + j), lim_r);
+            vstore(prow + j, p);
+            vstore(dprow + j, p * (vload(dprow + j) - dr) * s.scale);
+          }
+        }
+        attn_gemm(s.Dm, K, nr, dot, R, 1, S, K, dVt, K, true);  // dV^T += dO^T P
+        attn_gemm(s.Dm, K, nr, qt, R, 1, dP, K, dKt, K, true);  // dK^T += Q^T dS
+        attn_gemm(nr, Dp, nk, dP, K, Kr, Dp, dQ + r0 * Dp, Dp, true);  // dQ += dS K
+      }
+      const int64_t base = ((b * s.Hkv + kvh) * s.Lk + j0) * s.Dm;
+      for (int64_t j = 0; j < nk; ++j) {
+        for (int64_t d = 0; d < s.Dm; ++d) tmp[d] = dKt[d * K + j];
+        st<D>(tmp, dk.data, base + j * s.Dm, s.Dm);
+        for (int64_t d = 0; d < s.Dm; ++d) tmp[d] = dVt[d * K + j];
+        st<D>(tmp, dv.data, base + j * s.Dm, s.Dm);
+      }
+    }
+    for (int64_t r = 0; r < s.rows; ++r) st<D>(dQ + r * Dp, dq.data, s.row_offset(b, kvh, r), s.Dm);
+  }
+}
+
 template <DType D>
 int attention_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   const AttnShape s(c.inputs[1], c.inputs[2], c);
   if (c.ints[6] == 0)
     attention_backward_kv<D>(c, s, i0, i1, scratch);
-  else
+  else if (c.ints[6] == 1)
     attention_backward_q<D>(c, s, i0, i1, scratch);
+  else
+    attention_backward_fused<D>(c, s, i0, i1, scratch);
   return 0;
 }
