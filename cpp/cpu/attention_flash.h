@@ -177,7 +177,81 @@ TENSOR_OPS_VEC_INLINE vf masked_exp(vf x, vf pos, vf lim) {
 
 // ---- forward: items are (batch, kv head, packed row tile) ----------------
 // scratch (attention_scratch_floats): Q | O (rows x Dp) | K^T (Dp x keys) |
-// V (keys x Dp) | S (rows x keys) | m | l (rows)
+// V (keys x Dp) | S (rows x keys) | m | l | lim | corr (rows)
+//
+// A tile of more than kNL rows computes S^T = K Q^T (keys x rows) against
+// Q^T packed once per row tile, so no key tile is transposed: K is read in
+// place (fp32) or converted once, the softmax runs down the columns with the
+// rows in the lanes, and O += P V reads P^T as a transposed A. V is read in
+// place too for fp32 with head_dim a multiple of kNL. Smaller tiles (decode:
+// a few rows over a long cache) keep S = Q K^T, rows x keys, where a key
+// tile's transpose costs less than S^T's padding to kNL rows would.
+template <DType D>
+void attention_tile_keys(const to_op_call& c, const AttnShape& s, int64_t b, int64_t kvh, int64_t r0, int64_t nr,
+                         float* scratch) {
+  const to_tensor &q = c.inputs[0], &k = c.inputs[1], &v = c.inputs[2], &o = c.outputs[0], &lse = c.outputs[1];
+  const int64_t Dp = s.Dp, R = kAttnRows, K = kAttnKeys, Np = attn_pad(nr);
+  float *Qt = scratch, *O = Qt + R * Dp, *Kb = O + R * Dp, *Vb = Kb + Dp * K, *St = Vb + K * Dp, *m = St + R * K,
+        *l = m + R, *lim = l + R, *corr = lim + R;
+  const float ninf = -__builtin_inff();
+  attn_load_rows<D>(s, q.data, b, kvh, r0, nr, O, Dp, s.scale);
+  attn_transpose(s, O, Dp, R, Qt);
+  zero_f(O, R * Dp);
+  for (int64_t r = 0; r < R; ++r) m[r] = ninf, l[r] = 0, lim[r] = r < nr ? s.limit(r0 + r) : __builtin_inff();
+  const int64_t kend = s.key_end(r0 + nr), kvbase = (b * s.Hkv + kvh) * s.Lk * s.Dm;
+  const bool f32 = D == DType::Float32, v_in_place = f32 && s.Dm == Dp;
+  for (int64_t j0 = 0; j0 < kend; j0 += K) {
+    const int64_t nk = min64(K, kend - j0);
+    const float* Kp = f32 ? static_cast<const float*>(k.data) + kvbase + j0 * s.Dm : Kb;
+    if (!f32) attn_load_keys<D>(s, k.data, b, kvh, j0, nk, Kb, Dp, nk);
+    attn_gemm(nk, Np, s.Dm, Kp, f32 ? s.Dm : Dp, 1, Qt, R, St, R, false);  // S^T = K Q^T
+    // causal: some key of the tile is past the first row's limit
+    const bool edge = s.causal && j0 + nk - 1 > r0 / s.G + s.off;
+    for (int64_t g = 0; g < Np; g += kVW) {
+      const vf mo = vload(m + g), lv = vload(lim + g);
+      vf mx = mo;
+      for (int64_t j = 0; j < nk; ++j) {
+        float* sp = St + j * R + g;
+        vf sv = vload(sp);
+        if (edge) {
+          sv = (vf)(((vu)(splat<vf>(float(j0 + j)) <= lv) & as_bits(sv)) |
+                    ((vu)(splat<vf>(float(j0 + j)) > lv) & as_bits(splat<vf>(ninf))));
+          vstore(sp, sv);
+        }
+        mx = max_t(mx, sv);
+      }
+      const vu seen = (vu)(mx > splat<vf>(ninf));  // rows that have seen a key
+      vf sum = {};
+      for (int64_t j = 0; j < nk; ++j) {
+        float* sp = St + j * R + g;
+        const vf sv = vload(sp);
+        const vf p = from_bits(as_bits(exp_nonpos_t(sv - mx)) & (vu)(sv > splat<vf>(ninf)));
+        vstore(sp, p);
+        sum += p;
+      }
+      const vf cr = from_bits(as_bits(exp_nonpos_t(mo - mx)) & seen);  // 0 while m was -inf
+      vstore(l + g, vload(l + g) * cr + sum);
+      vstore(m + g, mx);
+      vstore(corr + g, cr);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      if (corr[r] == 1.0f) continue;
+      float* orow = O + r * Dp;
+      const vf cr = splat<vf>(corr[r]);
+      for (int64_t d = 0; d < Dp; d += kVW) vstore(orow + d, vload(orow + d) * cr);
+    }
+    const float* Vp = v_in_place ? static_cast<const float*>(v.data) + kvbase + j0 * s.Dm : Vb;
+    if (!v_in_place) attn_load_keys<D>(s, v.data, b, kvh, j0, nk, Vb, Dp, nk);
+    attn_gemm(nr, Dp, nk, St, 1, R, Vp, Dp, O, Dp, true);  // O += P V, P^T read transposed
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    float* orow = O + r * Dp;
+    const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < s.Dm; ++d) orow[d] *= inv;
+    st<D>(orow, o.data, s.row_offset(b, kvh, r0 + r), s.Dm);
+    static_cast<float*>(lse.data)[s.lse_index(b, kvh, r0 + r)] = l[r] > 0 ? m[r] + __builtin_logf(l[r]) : ninf;
+  }
+}
 
 template <DType D>
 int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
@@ -190,6 +264,10 @@ int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t b = it / (s.Hkv * s.row_tiles), kvh = (it / s.row_tiles) % s.Hkv, t = it % s.row_tiles;
     const int64_t r0 = t * R, nr = min64(R, s.rows - r0);
+    if (nr > kNL) {
+      attention_tile_keys<D>(c, s, b, kvh, r0, nr, scratch);
+      continue;
+    }
     attn_load_rows<D>(s, q.data, b, kvh, r0, nr, Q, Dp, s.scale);
     zero_f(O, R * Dp);
     for (int64_t r = 0; r < R; ++r) m[r] = ninf, l[r] = 0;

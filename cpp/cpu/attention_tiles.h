@@ -15,7 +15,7 @@ inline int64_t attn_pad(int64_t n) { return (n + kAttnLanes - 1) / kAttnLanes * 
 // Scratch floats per chunk: forward, and the larger of the backward's two phases.
 inline int64_t attention_scratch_floats(int64_t head_dim) {
   const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys;
-  return 2 * R * Dp + 2 * K * Dp + R * K + 2 * R;
+  return 2 * R * Dp + 2 * K * Dp + R * K + 4 * R;
 }
 inline int64_t attention_backward_scratch_floats(int64_t head_dim) {
   const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys;
