@@ -480,22 +480,26 @@ void attention_backward_fused(const to_op_call& c, const AttnShape& s, int64_t i
       if (first < 0) first = 0;
       for (int64_t r0 = first / R * R; r0 < s.rows; r0 += R) {
         const int64_t nr = min64(R, s.rows - r0);
+        // keys [j0, j0 + ne) may be visible from this row tile (causal: fewer
+        // near the diagonal); Ne: those padded to whole column blocks
+        const int64_t ne = min64(nk, s.key_end(r0 + nr) - j0), Ne = attn_pad(ne);
+        if (ne <= 0) continue;
         const float *qt = Qt + r0 * Dp, *dot = dOt + r0 * Dp;
-        attn_gemm(nr, K, s.Dm, qt, 1, R, Kt, K, S, K, false);    // S = Q K^T
-        attn_gemm(nr, K, s.Dm, dot, 1, R, Vt, K, dP, K, false);  // dP = dO V^T
+        attn_gemm(nr, Ne, s.Dm, qt, 1, R, Kt, K, S, K, false);    // S = Q K^T
+        attn_gemm(nr, Ne, s.Dm, dot, 1, R, Vt, K, dP, K, false);  // dP = dO V^T
         for (int64_t r = 0; r < nr; ++r) {
           float *prow = S + r * K, *dprow = dP + r * K;
           const vf lr = splat<vf>(L[r0 + r]), dr = splat<vf>(Delta[r0 + r]);
-          const vf lim_r = splat<vf>(min_t(lim[r0 + r], float(j0 + nk - 1)));
-          for (int64_t j = 0; j < K; j += kVW) {
+          const vf lim_r = splat<vf>(min_t(lim[r0 + r], float(j0 + ne - 1)));
+          for (int64_t j = 0; j < Ne; j += kVW) {
             const vf p = masked_exp(vload(prow + j) * s.scale - lr, lane + float(j0 + j), lim_r);
             vstore(prow + j, p);
             vstore(dprow + j, p * (vload(dprow + j) - dr) * s.scale);
           }
         }
-        attn_gemm(s.Dm, K, nr, dot, R, 1, S, K, dVt, K, true);  // dV^T += dO^T P
-        attn_gemm(s.Dm, K, nr, qt, R, 1, dP, K, dKt, K, true);  // dK^T += Q^T dS
-        attn_gemm(nr, Dp, nk, dP, K, Kr, Dp, dQ + r0 * Dp, Dp, true);  // dQ += dS K
+        attn_gemm(s.Dm, Ne, nr, dot, R, 1, S, K, dVt, K, true);  // dV^T += dO^T P
+        attn_gemm(s.Dm, Ne, nr, qt, R, 1, dP, K, dKt, K, true);  // dK^T += Q^T dS
+        attn_gemm(nr, Dp, ne, dP, K, Kr, Dp, dQ + r0 * Dp, Dp, true);  // dQ += dS K
       }
       const int64_t base = ((b * s.Hkv + kvh) * s.Lk + j0) * s.Dm;
       for (int64_t j = 0; j < nk; ++j) {
