@@ -13,11 +13,13 @@
 // last visible key are skipped whole; only the diagonal tiles are masked.
 // The softmax is online (running max and sum per row, the accumulator
 // rescaled when the max grows), in fp32 for every storage dtype.
-// Backward (deterministic, no atomics): phase 0 gives each (batch, kv head,
-// key tile) item its own dK / dV rows, recomputing P from the saved
-// log-sum-exp; phase 1 gives each query row tile its dQ rows. S and dP are
-// recomputed in both: seven tile products instead of FlashAttention-2's
-// five, the price of no shared accumulator.
+// Backward (deterministic, no atomics), two schedules with the same bits:
+// fused, each (batch, kv head) item on one thread with FlashAttention-2's
+// five tile products (dQ accumulated in the item's scratch), when there are
+// enough such items to keep the threads busy; otherwise phase 0 gives each
+// (batch, kv head, key tile) item its own dK / dV rows, recomputing P from
+// the saved log-sum-exp, and phase 1 each query row tile its dQ rows: seven
+// products (S and dP in both), the price of no shared accumulator.
 
 constexpr int kNL = int(kAttnLanes);  // lanes in one column block of the micro-kernel
 constexpr int kNV = kNL / kVW;         // vectors per column block
