@@ -13,11 +13,13 @@
 // last visible key are skipped whole; only the diagonal tiles are masked.
 // The softmax is online (running max and sum per row, the accumulator
 // rescaled when the max grows), in fp32 for every storage dtype.
-// Backward (deterministic, no atomics): phase 0 gives each (batch, kv head,
-// key tile) item its own dK / dV rows, recomputing P from the saved
-// log-sum-exp; phase 1 gives each query row tile its dQ rows. S and dP are
-// recomputed in both: seven tile products instead of FlashAttention-2's
-// five, the price of no shared accumulator.
+// Backward (deterministic, no atomics), two schedules with the same bits:
+// fused, each (batch, kv head) item on one thread with FlashAttention-2's
+// five tile products (dQ accumulated in the item's scratch), when there are
+// enough such items to keep the threads busy; otherwise phase 0 gives each
+// (batch, kv head, key tile) item its own dK / dV rows, recomputing P from
+// the saved log-sum-exp, and phase 1 each query row tile its dQ rows: seven
+// products (S and dP in both), the price of no shared accumulator.
 
 constexpr int kNL = int(kAttnLanes);  // lanes in one column block of the micro-kernel
 constexpr int kNV = kNL / kVW;         // vectors per column block
@@ -38,10 +40,13 @@ TENSOR_OPS_VEC_INLINE vf bcast(const float* p) {
 #endif
 }
 
-// C[MR][16] = (acc ? C : 0) + A[MR][K] B[K][16]
-template <int MR>
-TENSOR_OPS_VEC_INLINE void attn_micro(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-                                      int64_t ldc, bool acc) {
+// C[MR][16] = (acc ? C : 0) + A[MR][K] B[K][16]; A's element (r, k) at
+// A[r * lda + k * ak] (Strided; else ak = 1: row-major). lda = 1 reads a
+// transposed, packed tile. The row-major form keeps its own indexing: the
+// decode forward (S = Q K^T, 4 rows) ran ~20% slower through the strided one.
+template <int MR, bool Strided>
+TENSOR_OPS_VEC_INLINE void attn_micro(int64_t K, const float* A, int64_t lda, int64_t ak, const float* B, int64_t ldb,
+                                      float* C, int64_t ldc, bool acc) {
   // Every loop but k unrolled by pragma: without it GCC kept c[][] on the
   // stack and stored all of it back on every k.
   vf c[MR][kNV];
@@ -55,7 +60,7 @@ TENSOR_OPS_VEC_INLINE void attn_micro(int64_t K, const float* A, int64_t lda, co
     for (int v = 0; v < kNV; ++v) b[v] = vload(B + k * ldb + v * kVW);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const vf a = bcast(A + r * lda + k);
+      const vf a = bcast(A + r * lda + (Strided ? k * ak : k));
 #pragma GCC unroll 4
       for (int v = 0; v < kNV; ++v) c[r][v] += a * b[v];
     }
@@ -66,23 +71,39 @@ TENSOR_OPS_VEC_INLINE void attn_micro(int64_t K, const float* A, int64_t lda, co
     for (int v = 0; v < kNV; ++v) vstore(C + r * ldc + v * kVW, c[r][v]);
 }
 
-// C[M][N] = (acc ? C : 0) + A[M][K] B[K][N] on fp32 tiles; N a multiple of kNL.
-inline void attn_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                      float* C, int64_t ldc, bool acc) {
+template <bool Strided>
+inline void attn_gemm_t(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_t ak, const float* B,
+                        int64_t ldb, float* C, int64_t ldc, bool acc) {
   for (int64_t n = 0; n < N; n += kNL) {
     int64_t m = 0;
-    for (; m + kMR <= M; m += kMR) attn_micro<kMR>(K, A + m * lda, lda, B + n, ldb, C + m * ldc + n, ldc, acc);
+    for (; m + kMR <= M; m += kMR)
+      attn_micro<kMR, Strided>(K, A + m * lda, lda, ak, B + n, ldb, C + m * ldc + n, ldc, acc);
     const float* a = A + m * lda;
     float* c = C + m * ldc + n;
     switch (M - m) {
-      case 5: attn_micro<5>(K, a, lda, B + n, ldb, c, ldc, acc); break;
-      case 4: attn_micro<4>(K, a, lda, B + n, ldb, c, ldc, acc); break;
-      case 3: attn_micro<3>(K, a, lda, B + n, ldb, c, ldc, acc); break;
-      case 2: attn_micro<2>(K, a, lda, B + n, ldb, c, ldc, acc); break;
-      case 1: attn_micro<1>(K, a, lda, B + n, ldb, c, ldc, acc); break;
+      case 5: attn_micro<5, Strided>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
+      case 4: attn_micro<4, Strided>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
+      case 3: attn_micro<3, Strided>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
+      case 2: attn_micro<2, Strided>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
+      case 1: attn_micro<1, Strided>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
       default: break;
     }
   }
+}
+
+// C[M][N] = (acc ? C : 0) + A[M][K] B[K][N] on fp32 tiles; N a multiple of
+// kNL; A's element (m, k) at A[m * lda + k * ak].
+inline void attn_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_t ak, const float* B,
+                      int64_t ldb, float* C, int64_t ldc, bool acc) {
+  if (ak == 1)
+    attn_gemm_t<false>(M, N, K, A, lda, 1, B, ldb, C, ldc, acc);
+  else
+    attn_gemm_t<true>(M, N, K, A, lda, ak, B, ldb, C, ldc, acc);
+}
+// Row-major A.
+inline void attn_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                      float* C, int64_t ldc, bool acc) {
+  attn_gemm_t<false>(M, N, K, A, lda, 1, B, ldb, C, ldc, acc);
 }
 
 inline void zero_f(float* p, int64_t n) {
@@ -170,7 +191,81 @@ TENSOR_OPS_VEC_INLINE vf masked_exp(vf x, vf pos, vf lim) {
 
 // ---- forward: items are (batch, kv head, packed row tile) ----------------
 // scratch (attention_scratch_floats): Q | O (rows x Dp) | K^T (Dp x keys) |
-// V (keys x Dp) | S (rows x keys) | m | l (rows)
+// V (keys x Dp) | S (rows x keys) | m | l | lim | corr (rows)
+//
+// A tile of more than kNL rows computes S^T = K Q^T (keys x rows) against
+// Q^T packed once per row tile, so no key tile is transposed: K is read in
+// place (fp32) or converted once, the softmax runs down the columns with the
+// rows in the lanes, and O += P V reads P^T as a transposed A. V is read in
+// place too for fp32 with head_dim a multiple of kNL. Smaller tiles (decode:
+// a few rows over a long cache) keep S = Q K^T, rows x keys, where a key
+// tile's transpose costs less than S^T's padding to kNL rows would.
+template <DType D>
+void attention_tile_keys(const to_op_call& c, const AttnShape& s, int64_t b, int64_t kvh, int64_t r0, int64_t nr,
+                         float* scratch) {
+  const to_tensor &q = c.inputs[0], &k = c.inputs[1], &v = c.inputs[2], &o = c.outputs[0], &lse = c.outputs[1];
+  const int64_t Dp = s.Dp, R = kAttnRows, K = kAttnKeys, Np = attn_pad(nr);
+  float *Qt = scratch, *O = Qt + R * Dp, *Kb = O + R * Dp, *Vb = Kb + Dp * K, *St = Vb + K * Dp, *m = St + R * K,
+        *l = m + R, *lim = l + R, *corr = lim + R;
+  const float ninf = -__builtin_inff();
+  attn_load_rows<D>(s, q.data, b, kvh, r0, nr, O, Dp, s.scale);
+  attn_transpose(s, O, Dp, R, Qt);
+  zero_f(O, R * Dp);
+  for (int64_t r = 0; r < R; ++r) m[r] = ninf, l[r] = 0, lim[r] = r < nr ? s.limit(r0 + r) : __builtin_inff();
+  const int64_t kend = s.key_end(r0 + nr), kvbase = (b * s.Hkv + kvh) * s.Lk * s.Dm;
+  const bool f32 = D == DType::Float32, v_in_place = f32 && s.Dm == Dp;
+  for (int64_t j0 = 0; j0 < kend; j0 += K) {
+    const int64_t nk = min64(K, kend - j0);
+    const float* Kp = f32 ? static_cast<const float*>(k.data) + kvbase + j0 * s.Dm : Kb;
+    if (!f32) attn_load_keys<D>(s, k.data, b, kvh, j0, nk, Kb, Dp, nk);
+    attn_gemm(nk, Np, s.Dm, Kp, f32 ? s.Dm : Dp, 1, Qt, R, St, R, false);  // S^T = K Q^T
+    // causal: some key of the tile is past the first row's limit
+    const bool edge = s.causal && j0 + nk - 1 > r0 / s.G + s.off;
+    for (int64_t g = 0; g < Np; g += kVW) {
+      const vf mo = vload(m + g), lv = vload(lim + g);
+      vf mx = mo;
+      for (int64_t j = 0; j < nk; ++j) {
+        float* sp = St + j * R + g;
+        vf sv = vload(sp);
+        if (edge) {
+          sv = (vf)(((vu)(splat<vf>(float(j0 + j)) <= lv) & as_bits(sv)) |
+                    ((vu)(splat<vf>(float(j0 + j)) > lv) & as_bits(splat<vf>(ninf))));
+          vstore(sp, sv);
+        }
+        mx = max_t(mx, sv);
+      }
+      const vu seen = (vu)(mx > splat<vf>(ninf));  // rows that have seen a key
+      vf sum = {};
+      for (int64_t j = 0; j < nk; ++j) {
+        float* sp = St + j * R + g;
+        const vf sv = vload(sp);
+        const vf p = from_bits(as_bits(exp_nonpos_t(sv - mx)) & (vu)(sv > splat<vf>(ninf)));
+        vstore(sp, p);
+        sum += p;
+      }
+      const vf cr = from_bits(as_bits(exp_nonpos_t(mo - mx)) & seen);  // 0 while m was -inf
+      vstore(l + g, vload(l + g) * cr + sum);
+      vstore(m + g, mx);
+      vstore(corr + g, cr);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      if (corr[r] == 1.0f) continue;
+      float* orow = O + r * Dp;
+      const vf cr = splat<vf>(corr[r]);
+      for (int64_t d = 0; d < Dp; d += kVW) vstore(orow + d, vload(orow + d) * cr);
+    }
+    const float* Vp = v_in_place ? static_cast<const float*>(v.data) + kvbase + j0 * s.Dm : Vb;
+    if (!v_in_place) attn_load_keys<D>(s, v.data, b, kvh, j0, nk, Vb, Dp, nk);
+    attn_gemm(nr, Dp, nk, St, 1, R, Vp, Dp, O, Dp, true);  // O += P V, P^T read transposed
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    float* orow = O + r * Dp;
+    const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < s.Dm; ++d) orow[d] *= inv;
+    st<D>(orow, o.data, s.row_offset(b, kvh, r0 + r), s.Dm);
+    static_cast<float*>(lse.data)[s.lse_index(b, kvh, r0 + r)] = l[r] > 0 ? m[r] + __builtin_logf(l[r]) : ninf;
+  }
+}
 
 template <DType D>
 int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
@@ -183,6 +278,10 @@ int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t b = it / (s.Hkv * s.row_tiles), kvh = (it / s.row_tiles) % s.Hkv, t = it % s.row_tiles;
     const int64_t r0 = t * R, nr = min64(R, s.rows - r0);
+    if (nr > kNL) {
+      attention_tile_keys<D>(c, s, b, kvh, r0, nr, scratch);
+      continue;
+    }
     attn_load_rows<D>(s, q.data, b, kvh, r0, nr, Q, Dp, s.scale);
     zero_f(O, R * Dp);
     for (int64_t r = 0; r < R; ++r) m[r] = ninf, l[r] = 0;
@@ -350,12 +449,92 @@ void attention_backward_q(const to_op_call& c, const AttnShape& s, int64_t i0, i
   }
 }
 
+// Fused (ints[6] == 2): items (batch, kv head) -> dQ, dK and dV, with the
+// five tile products of FlashAttention-2 (S and dP computed once per tile
+// pair). Key tiles outside, row tiles inside; dQ accumulates in fp32 in the
+// item's scratch. Every sum runs in the same order as in phases 0 and 1
+// (dK / dV over rows ascending, dQ over keys ascending, each product element
+// one fused multiply-add chain over head_dim), so both schedules give the
+// same bits and the dispatcher may pick either (cpu_backend.cpp).
+// scratch (attention_fused_backward_scratch_floats): dQ | Q^T | dO^T (rows
+// tile by tile, [Dp][kAttnRows] each) | L | Delta | lim (rows) | K (keys x
+// Dp) | K^T | V^T | dK^T | dV^T (Dp x keys) | S | dP (rows x keys) | two
+// row tiles | Dp
+template <DType D>
+void attention_backward_fused(const to_op_call& c, const AttnShape& s, int64_t i0, int64_t i1, float* scratch) {
+  const to_tensor &k = c.inputs[2], &v = c.inputs[3], &dq = c.outputs[0], &dk = c.outputs[1], &dv = c.outputs[2];
+  const int64_t Dp = s.Dp, R = kAttnRows, K = kAttnKeys, rows_pad = s.row_tiles * R;
+  float *dQ = scratch, *Qt = dQ + rows_pad * Dp, *dOt = Qt + rows_pad * Dp, *L = dOt + rows_pad * Dp,
+        *Delta = L + rows_pad, *lim = Delta + rows_pad, *Kr = lim + rows_pad, *Kt = Kr + K * Dp, *Vt = Kt + Dp * K,
+        *dKt = Vt + Dp * K, *dVt = dKt + Dp * K, *S = dVt + Dp * K, *dP = S + R * K, *T0 = dP + R * K,
+        *T1 = T0 + R * Dp, *tmp = T1 + R * Dp;
+  float* Vr = T0;  // a key tile's V rows before the transpose (K x Dp over T0 and T1)
+  static_assert(2 * kAttnRows >= kAttnKeys, "V rows fit in the two row tiles");
+  vf lane = {};
+  for (int x = 0; x < kVW; ++x) lane[x] = float(x);
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t b = it / s.Hkv, kvh = it % s.Hkv;
+    // every row tile's Q^T, dO^T, lse, Delta and limits, once
+    for (int64_t t = 0; t < s.row_tiles; ++t) {
+      const int64_t r0 = t * R, nr = min64(R, s.rows - r0);
+      attn_load_grad_rows<D>(s, c, b, kvh, r0, nr, T0, T1, L + r0, Delta + r0, lim + r0, tmp);
+      attn_transpose(s, T0, Dp, R, Qt + r0 * Dp);
+      attn_transpose(s, T1, Dp, R, dOt + r0 * Dp);
+    }
+    zero_f(dQ, rows_pad * Dp);
+    for (int64_t j0 = 0; j0 < s.Lk; j0 += K) {
+      const int64_t nk = min64(K, s.Lk - j0);
+      attn_load_keys<D>(s, k.data, b, kvh, j0, nk, Kr, Dp, K);
+      attn_transpose(s, Kr, Dp, K, Kt);
+      attn_load_keys<D>(s, v.data, b, kvh, j0, nk, Vr, Dp, K);
+      attn_transpose(s, Vr, Dp, K, Vt);
+      zero_f(dKt, 2 * Dp * K);
+      int64_t first = 0;  // the first packed row that can see key j0: position j0 - off
+      if (s.causal) first = (j0 - s.off) * s.G;
+      if (first < 0) first = 0;
+      for (int64_t r0 = first / R * R; r0 < s.rows; r0 += R) {
+        const int64_t nr = min64(R, s.rows - r0);
+        // keys [j0, j0 + ne) may be visible from this row tile (causal: fewer
+        // near the diagonal); Ne: those padded to whole column blocks
+        const int64_t ne = min64(nk, s.key_end(r0 + nr) - j0), Ne = attn_pad(ne);
+        if (ne <= 0) continue;
+        const float *qt = Qt + r0 * Dp, *dot = dOt + r0 * Dp;
+        attn_gemm(nr, Ne, s.Dm, qt, 1, R, Kt, K, S, K, false);    // S = Q K^T
+        attn_gemm(nr, Ne, s.Dm, dot, 1, R, Vt, K, dP, K, false);  // dP = dO V^T
+        for (int64_t r = 0; r < nr; ++r) {
+          float *prow = S + r * K, *dprow = dP + r * K;
+          const vf lr = splat<vf>(L[r0 + r]), dr = splat<vf>(Delta[r0 + r]);
+          const vf lim_r = splat<vf>(min_t(lim[r0 + r], float(j0 + ne - 1)));
+          for (int64_t j = 0; j < Ne; j += kVW) {
+            const vf p = masked_exp(vload(prow + j) * s.scale - lr, lane + float(j0 + j), lim_r);
+            vstore(prow + j, p);
+            vstore(dprow + j, p * (vload(dprow + j) - dr) * s.scale);
+          }
+        }
+        attn_gemm(s.Dm, Ne, nr, dot, R, 1, S, K, dVt, K, true);  // dV^T += dO^T P
+        attn_gemm(s.Dm, Ne, nr, qt, R, 1, dP, K, dKt, K, true);  // dK^T += Q^T dS
+        attn_gemm(nr, Dp, ne, dP, K, Kr, Dp, dQ + r0 * Dp, Dp, true);  // dQ += dS K
+      }
+      const int64_t base = ((b * s.Hkv + kvh) * s.Lk + j0) * s.Dm;
+      for (int64_t j = 0; j < nk; ++j) {
+        for (int64_t d = 0; d < s.Dm; ++d) tmp[d] = dKt[d * K + j];
+        st<D>(tmp, dk.data, base + j * s.Dm, s.Dm);
+        for (int64_t d = 0; d < s.Dm; ++d) tmp[d] = dVt[d * K + j];
+        st<D>(tmp, dv.data, base + j * s.Dm, s.Dm);
+      }
+    }
+    for (int64_t r = 0; r < s.rows; ++r) st<D>(dQ + r * Dp, dq.data, s.row_offset(b, kvh, r), s.Dm);
+  }
+}
+
 template <DType D>
 int attention_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   const AttnShape s(c.inputs[1], c.inputs[2], c);
   if (c.ints[6] == 0)
     attention_backward_kv<D>(c, s, i0, i1, scratch);
-  else
+  else if (c.ints[6] == 1)
     attention_backward_q<D>(c, s, i0, i1, scratch);
+  else
+    attention_backward_fused<D>(c, s, i0, i1, scratch);
   return 0;
 }

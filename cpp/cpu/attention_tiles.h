@@ -15,13 +15,20 @@ inline int64_t attn_pad(int64_t n) { return (n + kAttnLanes - 1) / kAttnLanes * 
 // Scratch floats per chunk: forward, and the larger of the backward's two phases.
 inline int64_t attention_scratch_floats(int64_t head_dim) {
   const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys;
-  return 2 * R * Dp + 2 * K * Dp + R * K + 2 * R;
+  return 2 * R * Dp + 2 * K * Dp + R * K + 4 * R;
 }
 inline int64_t attention_backward_scratch_floats(int64_t head_dim) {
   const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys;
   const int64_t phase0 = 4 * K * Dp + 4 * R * Dp + 2 * K * R + 3 * R + Dp;
   const int64_t phase1 = 3 * R * Dp + 3 * Dp * K + 2 * R * K + 3 * R + Dp;
   return phase0 > phase1 ? phase0 : phase1;
+}
+// The fused backward (one item per batch and kv head): dQ, Q^T and dO^T for
+// all `rows` packed rows of the item, plus one key tile's and one row tile's
+// buffers.
+inline int64_t attention_fused_backward_scratch_floats(int64_t rows, int64_t head_dim) {
+  const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys, rp = (rows + R - 1) / R * R;
+  return 3 * rp * Dp + 3 * rp + 5 * K * Dp + 2 * R * K + 2 * R * Dp + Dp;
 }
 
 }  // namespace tensor_ops::cpu

@@ -231,12 +231,15 @@ Split split_of(const to_op_call& c) {
     }
     // Attention items are tiles (attention_flash.h): packed query row tiles
     // per (batch, kv head), and for the backward's phase 0 (ints[6] == 0)
-    // key tiles; each is worth a chunk of its own.
+    // key tiles; each is worth a chunk of its own. The fused backward
+    // (ints[6] == 2) takes whole (batch, kv head) items.
     case OpId::attention:
     case OpId::attention_backward: {
       const to_tensor& q = c.inputs[op == OpId::attention ? 0 : 1];
       const to_tensor& k = c.inputs[op == OpId::attention ? 1 : 2];
       const int64_t B = q.shape[0], Hkv = k.shape[1], rows = q.shape[1] / Hkv * q.shape[2], D = q.shape[3];
+      if (op == OpId::attention_backward && c.ints[6] == 2)
+        return {B * Hkv, int64_t(1) << 20, attention_fused_backward_scratch_floats(rows, D)};
       const bool key_tiles = op == OpId::attention_backward && c.ints[6] == 0;
       const int64_t tiles = key_tiles ? (k.shape[2] + kAttnKeys - 1) / kAttnKeys : (rows + kAttnRows - 1) / kAttnRows;
       const int64_t scratch =
@@ -248,6 +251,21 @@ Split split_of(const to_op_call& c) {
 }
 
 to_status run_phase(const to_op_call& c, const IsaKernels* k);
+
+// The attention backward runs fused (one (batch, kv head) item per chunk,
+// five tile products) when those items keep the threads about as busy as the
+// two phases' finer tiles do with their seven products, and the per-thread
+// dQ / Q^T / dO^T scratch stays under 256 MiB in all; otherwise in two
+// phases. Both give the same bits (attention_flash.h), so the choice, which
+// depends on the thread count, never changes a result.
+bool fused_attention_backward(const to_op_call& c) {
+  const to_tensor &q = c.inputs[1], &k = c.inputs[2];
+  const int64_t items = q.shape[0] * k.shape[1], threads = ThreadPool::instance().num_threads();
+  if (items < threads) return false;
+  const int64_t rows = q.shape[1] / k.shape[1] * q.shape[2];
+  const int64_t bytes = threads * attention_fused_backward_scratch_floats(rows, q.shape[3]) * 4;
+  return (items + threads - 1) / threads * threads * 5 <= items * 7 && bytes <= (int64_t(256) << 20);
+}
 
 // Runs an item kernel over the pool's threads. Each chunk gets its own zeroed
 // scratch; the norm backward ops then sum the chunks' dweight (and dbias)
@@ -262,7 +280,9 @@ to_status run_items(const to_op_call* call) {
                op == OpId::activation_backward || (op == OpId::cross_entropy && c.ints[1])) &&
               big.data && streaming(big.shape[0] * big.shape[1] * int64_t(dtype_size(dt_of(big))));
   const IsaKernels* k = level().load();
-  if (op == OpId::attention_backward) {  // two phases: dK / dV per key tile, then dQ per row tile
+  if (op == OpId::attention_backward && fused_attention_backward(c)) {
+    c.ints[6] = 2;
+  } else if (op == OpId::attention_backward) {  // two phases: dK / dV per key tile, then dQ per row tile
     c.ints[6] = 0;
     if (to_status st = run_phase(c, k); st != TO_OK) return st;
     c.ints[6] = 1;
@@ -280,6 +300,8 @@ to_status run_phase(const to_op_call& c, const IsaKernels* k) {
   // backward's dweight) reduce in the same order on every run.
   int64_t chunks = std::min<int64_t>(int64_t(pool.num_threads()) * ThreadPool::kChunksPerThread,
                                      std::max<int64_t>(1, sp.items / grain));
+  // fused attention backward: equal items, one chunk (and scratch) per thread
+  if (op == OpId::attention_backward && c.ints[6] == 2) chunks = std::min<int64_t>(sp.items, pool.num_threads());
   if (sp.items == 0) chunks = 1;
   std::vector<float> scratch(size_t(chunks * sp.scratch), 0.0f);
   std::atomic<int> bad{0};
