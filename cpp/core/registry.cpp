@@ -62,6 +62,7 @@ void add_env_warning(const char* name, const char* value, const std::string& pro
 
 std::vector<std::string> environment_warnings() {
   cpu::default_num_threads();
+  cpu::default_spin_us();
   cpu::active_isa();
   cpu::stream_threshold_bytes();
   std::lock_guard<std::mutex> lock(env_warnings_mutex);

@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <chrono>
 #include <new>
 #include <string>
 
@@ -13,6 +14,7 @@ namespace tensor_ops::cpu {
 namespace {
 
 constexpr int kMaxThreads = 1024;
+constexpr int64_t kDefaultSpinUs = 50;  // Note [spinning workers]
 
 int cpus_available() {
   cpu_set_t set;
@@ -42,6 +44,24 @@ int read_num_threads() {
   return cpus;
 }
 
+int64_t read_spin_us() {
+  const char* env = std::getenv("TENSOR_OPS_SPIN_US");
+  if (!env || !*env) return kDefaultSpinUs;
+  long n = 0;
+  if (parse_long(env, &n) && n >= 0 && n <= 100000) return n;
+  add_env_warning("TENSOR_OPS_SPIN_US", env, "is not a whole number from 0 to 100000",
+                  std::to_string(kDefaultSpinUs));
+  return kDefaultSpinUs;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 std::atomic<ThreadPool*> forking_pool{nullptr};  // the pool the fork handlers act on (Note [fork])
 
 }  // namespace
@@ -51,12 +71,18 @@ int default_num_threads() {
   return n;
 }
 
+int64_t default_spin_us() {
+  static const int64_t n = read_spin_us();
+  return n;
+}
+
 ThreadPool& ThreadPool::instance() {
   static ThreadPool pool(default_num_threads());
   return pool;
 }
 
 ThreadPool::ThreadPool(int threads) : num_threads_(threads < 1 ? 1 : threads) {
+  spin_ns_ = default_spin_us() * 1000;
   start_workers();
   forking_pool = this;
   pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
@@ -109,7 +135,7 @@ int ThreadPool::num_threads() const { return num_threads_.load(std::memory_order
 
 // New workers start at the current generation, so they wait for the next region.
 void ThreadPool::start_workers() {
-  const uint64_t seen = generation_;
+  const uint64_t seen = generation_.load();
   for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i, seen] { worker(i, seen); });
   workers_started_ = true;
 }
@@ -118,6 +144,7 @@ void ThreadPool::stop_workers() {
   {
     std::lock_guard<std::mutex> lock(m_);
     stop_ = true;
+    ++generation_;  // ends a worker's spin at once
   }
   start_cv_.notify_all();
   for (auto& t : workers_) t.join();
@@ -153,12 +180,32 @@ void ThreadPool::run_chunks(const std::function<void(int64_t, int64_t)>& fn, int
   }
 }
 
+// Note [spinning workers]: a worker that has just run (or just missed) a
+// region polls the generation for spin_ns_ before it sleeps on the condition
+// variable. Waking a sleeping thread costs tens of microseconds under this
+// VM's scheduler, as long as a whole [32, 4096] norm: with sleeping workers
+// the caller ran such calls alone (2 threads no faster than 1). Polling with
+// pause keeps the next call's wake-up to a cache-line transfer. Bounded, so
+// that between bursts of our ops the workers give their cores back to the
+// caller's other work (torch's OpenMP threads spin likewise after each op).
+void ThreadPool::spin_for_next(uint64_t seen) const {
+  if (spin_ns_ <= 0) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int k = 1; generation_.load(std::memory_order_acquire) == seen; ++k) {
+    cpu_relax();
+    if ((k & 255) == 0 && std::chrono::steady_clock::now() - t0 > std::chrono::nanoseconds(spin_ns_)) return;
+  }
+}
+
 void ThreadPool::worker(int, uint64_t seen) {
+  bool ran = false;
   for (;;) {
+    if (ran) spin_for_next(seen);
+    ran = true;
     std::unique_lock<std::mutex> lock(m_);
     start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
     if (stop_) return;
-    seen = generation_;
+    seen = generation_.load();
     if (!open_) continue;  // woke after its caller finished (Note [late workers])
     ++active_;
     const auto* fn = fn_;

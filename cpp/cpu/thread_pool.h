@@ -43,6 +43,7 @@ class ThreadPool {
   static void after_fork_in_parent();
   static void after_fork_in_child();
   void worker(int index, uint64_t seen);
+  void spin_for_next(uint64_t seen) const;
   void run_chunks(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int64_t chunks);
 
   std::atomic<int> num_threads_;
@@ -50,7 +51,9 @@ class ThreadPool {
   std::mutex run_mutex_;  // one parallel region at a time
   std::mutex m_;
   std::condition_variable start_cv_, done_cv_;
-  uint64_t generation_ = 0;
+  // Written under m_; read without it by workers spinning (Note [spinning workers]).
+  std::atomic<uint64_t> generation_{0};
+  int64_t spin_ns_ = 0;
   // Note [late workers]: a region is open while its caller still runs
   // chunks; a worker joins it (active_ + 1) only while it is open. The caller
   // then closes it and waits for the workers that joined, never for one that
@@ -70,5 +73,9 @@ class ThreadPool {
 // one is capped at 1024), else the CPUs this process may run on; a malformed
 // value is reported once through environment_warnings() (core/env.h).
 int default_num_threads();
+
+// TENSOR_OPS_SPIN_US: how long (microseconds, 0..100000) an idle worker keeps
+// polling for the next region before it sleeps (Note [spinning workers]).
+int64_t default_spin_us();
 
 }  // namespace tensor_ops::cpu

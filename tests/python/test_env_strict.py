@@ -98,3 +98,17 @@ def test_bad_stream_bytes_warns_and_keeps_the_default(value):
 def test_good_stream_bytes_is_silent(value):
     assert _import_with(TENSOR_OPS_STREAM_BYTES=value)["op_ok"]
     assert [m for m in _warnings(_import_with(TENSOR_OPS_STREAM_BYTES=value)) if "STREAM" in m] == []
+
+
+@pytest.mark.parametrize("value", ["50us", "-1", "100001", "2.5"])
+def test_bad_spin_us_warns_and_keeps_the_default(value):
+    out = _import_with(TENSOR_OPS_SPIN_US=value)
+    w = [m for m in _warnings(out) if "TENSOR_OPS_SPIN_US" in m]
+    assert len(w) == 1, _warnings(out)
+    assert f"TENSOR_OPS_SPIN_US='{value}' is not a whole number from 0 to 100000; using 50 instead" in w[0], w[0]
+
+
+@pytest.mark.parametrize("value", ["0", "200", ""])
+def test_good_spin_us_is_silent_and_ops_stay_correct(value):
+    out = _import_with(TENSOR_OPS_SPIN_US=value, TENSOR_OPS_NUM_THREADS="2")
+    assert out["op_ok"] and [m for m in _warnings(out) if "SPIN" in m] == []
