@@ -362,23 +362,29 @@ constexpr int64_t kPoolOutputBytes = int64_t(32) << 20;
 Tensor output(nb::handle out, nb::handle like, const Tensor& tlike, const char* arg, bool as_bfloat16,
               nb::object& made) {
   if (!out.is_none()) return to_tensor(out, arg, as_bfloat16);
+  return output(out, like, tlike, tlike.shape(), tlike.dtype(), arg, as_bfloat16, made);
+}
+
+Tensor output(nb::handle out, nb::handle like, const Tensor& tlike, std::vector<int64_t> shape, DType dtype,
+              const char* arg, bool as_bfloat16, nb::object& made) {
+  if (!out.is_none()) return to_tensor(out, arg, as_bfloat16);
   const TorchTypes* tt = torch_types();
   PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(like.ptr()));
   const ExchangeApi* api = tt && (type == tt->tensor || type == tt->parameter) ? exchange_api(tt->tensor) : nullptr;
-  if (!api || !tlike.device().is_host() || tlike.nbytes() >= kPoolOutputBytes)
+  int64_t bytes = int64_t(dtype_size(dtype));
+  for (int64_t d : shape) bytes *= d;
+  if (!api || !tlike.device().is_host() || bytes >= kPoolOutputBytes)
     throw LayoutError(std::string(arg) + ": no output given, and none is made here for this input");
-  std::vector<int64_t> shape = tlike.shape();
   nb::dlpack::dltensor proto;
   proto.device = {int32_t(nb::device::cpu::value), 0};
   proto.ndim = int32_t(shape.size());
-  proto.dtype = dl_dtype(tlike.dtype());
+  proto.dtype = dl_dtype(dtype);
   proto.shape = shape.data();
   ManagedVersioned* mt = nullptr;
   if (api->managed_tensor_allocator(&proto, &mt, nullptr, set_alloc_error) != 0 || !mt) throw nb::python_error();
   nb::dlpack::dltensor& dl = mt->dl_tensor;
   std::vector<int64_t> st = strides_of(dl, shape);
-  Tensor t(static_cast<char*>(dl.data) + dl.byte_offset, tlike.dtype(), std::move(shape), std::move(st),
-           Device{"host", 0});
+  Tensor t(static_cast<char*>(dl.data) + dl.byte_offset, dtype, std::move(shape), std::move(st), Device{"host", 0});
   void* py = nullptr;
   if (api->managed_tensor_to_py_object_no_sync(mt, &py) != 0 || !py) throw nb::python_error();  // mt is torch's now
   made = nb::steal(static_cast<PyObject*>(py));

@@ -22,6 +22,9 @@ nanobind::dlpack::dtype dl_dtype(DType t);
 // LayoutError when none can be made here.
 Tensor output(nanobind::handle out, nanobind::handle like, const Tensor& tlike, const char* arg, bool as_bfloat16,
               nanobind::object& made);
+// The same with the new tensor's shape and dtype given (attention's lse).
+Tensor output(nanobind::handle out, nanobind::handle like, const Tensor& tlike, std::vector<int64_t> shape,
+              DType dtype, const char* arg, bool as_bfloat16, nanobind::object& made);
 int32_t dl_device_type(const Device& d);
 
 // Tensor.__dlpack__: a "dltensor" capsule whose data stays alive (the

@@ -226,22 +226,34 @@ void init_ops(nb::module_& m) {
       "rope",
       [](Array x, Array cos, Array sin, Array pos, Array out, bool interleaved, bool inverse, bool bf16) {
         Tensor a = to_tensor(x, "x", bf16), b = to_tensor(cos, "cos", bf16), c = to_tensor(sin, "sin", bf16),
-               d = to_tensor(pos, "positions"), e = to_tensor(out, "out", bf16);
-        nb::gil_scoped_release release;
-        rope(a, b, c, d, e, interleaved, inverse);
+               d = to_tensor(pos, "positions");
+        nb::object made;
+        Tensor e = output(out, x, a, "out", bf16, made);
+        {
+          ReleaseIfBig release(a);
+          rope(a, b, c, d, e, interleaved, inverse);
+        }
+        return made_or_none(made);
       },
-      nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("positions"), nb::arg("out"), nb::arg("interleaved"),
-      nb::arg("inverse"), nb::arg("bf16") = false);
+      nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("positions"), nb::arg("out").none(),
+      nb::arg("interleaved"), nb::arg("inverse"), nb::arg("bf16") = false);
   m.def(
       "attention",
       [](Array q, Array k, Array v, Array out, Array lse, int causal, double scale, bool bf16) {
-        Tensor a = to_tensor(q, "q", bf16), b = to_tensor(k, "k", bf16), c = to_tensor(v, "v", bf16),
-               d = to_tensor(out, "out", bf16), e = to_tensor(lse, "lse");
-        nb::gil_scoped_release release;
-        attention(a, b, c, d, e, causal, scale);
+        Tensor a = to_tensor(q, "q", bf16), b = to_tensor(k, "k", bf16), c = to_tensor(v, "v", bf16);
+        nb::object made, made_lse;
+        Tensor d = output(out, q, a, "out", bf16, made);
+        std::vector<int64_t> lse_shape = a.shape();
+        if (!lse_shape.empty()) lse_shape.pop_back();  // [batch, heads, seq]
+        Tensor e = output(lse, q, a, std::move(lse_shape), DType::Float32, "lse", false, made_lse);
+        {
+          nb::gil_scoped_release release;
+          attention(a, b, c, d, e, causal, scale);
+        }
+        return made_pair(made, made_lse);
       },
-      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("causal"), nb::arg("scale"),
-      nb::arg("bf16") = false);
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out").none(), nb::arg("lse").none(), nb::arg("causal"),
+      nb::arg("scale"), nb::arg("bf16") = false);
   m.def(
       "attention_backward",
       [](Array dout, Array q, Array k, Array v, Array out, Array lse, Array dq, Array dk, Array dv, int causal,

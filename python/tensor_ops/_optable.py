@@ -34,8 +34,14 @@ from .errors import LayoutError, UnsupportedError
 class OpEntry(NamedTuple):
     fn: Callable[..., Any]  # the _C binding: fn(*arrays, *outputs, *scalars, bf16=...)
     arrays: tuple[str, ...]  # array arguments in the binding's order (names for the messages)
-    like: tuple[int, ...]  # per output: the array argument it is shaped and typed like
+    # per output: the array argument it is shaped and typed like, or LSE
+    # (float32, the first argument's shape without its last dim)
+    like: tuple[int, ...]
     optional: int = -1  # the array argument that may be None (layer_norm's bias), else -1
+    index: int = -1  # the integer array argument (rope's positions): any dtype, else -1
+
+
+LSE = -1  # attention's log-sum-exp output
 
 
 TABLE: dict[str, OpEntry] = {
@@ -50,6 +56,8 @@ TABLE: dict[str, OpEntry] = {
     "softmax_backward": OpEntry(_C.softmax_backward, ("dy", "y"), (1,)),
     "activation_backward": OpEntry(_C.activation_backward, ("dy", "x"), (1,)),
     "glu_backward": OpEntry(_C.glu_backward, ("dy", "gate", "up"), (1, 1)),
+    "rope": OpEntry(_C.rope, ("x", "cos", "sin", "positions"), (0,), index=3),
+    "attention": OpEntry(_C.attention, ("q", "k", "v"), (0, LSE)),
 }
 
 _NONES = {1: (None,), 2: (None, None), 3: (None, None, None)}
@@ -68,9 +76,9 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
         if dt not in FAST_NP:
             return None
         if len(arrays) > 1:
-            for a in arrays:
-                if type(a) is not _ndarray or a.dtype != dt:
-                    if a is None and e.optional >= 0:
+            for i, a in enumerate(arrays):
+                if type(a) is not _ndarray or (a.dtype != dt and i != e.index):
+                    if a is None and i == e.optional:
                         continue
                     return None
         if len(like) == 1:
@@ -81,7 +89,8 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
             except LayoutError:
                 return None
             return o
-        return _into(e, arrays, tuple(_np_empty(arrays[i].shape, dt) if arrays[i].nbytes < POOL_OUTPUT_BYTES
+        return _into(e, arrays, tuple(_np_empty(x.shape[:-1], np.float32) if i == LSE
+                                      else _np_empty(arrays[i].shape, dt) if arrays[i].nbytes < POOL_OUTPUT_BYTES
                                       else fast_out(arrays[i]) for i in like), extra)
     if t not in TORCH_TYPES:
         return None
@@ -90,9 +99,9 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
     # tensor that requires grad is read as its data (the op API records no
     # autograd: tensor_ops.torch does), as the general lane's detach() would.
     if len(arrays) > 1:
-        for a in arrays:
-            if type(a) not in TORCH_TYPES or a.dtype != dt:
-                if a is None and e.optional >= 0:
+        for i, a in enumerate(arrays):
+            if type(a) not in TORCH_TYPES or (a.dtype != dt and i != e.index):
+                if a is None and i == e.optional:
                     continue
                 return None
     try:
@@ -103,6 +112,8 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
         pass  # a lazy view, a large output, device data: outputs from Python below, or the general lane
     except UnsupportedError:
         return None  # the general lane words the refusal (shapes, dtypes)
+    if LSE in like:
+        return None  # the general lane makes it
     outs = tuple(fast_out(arrays[i]) for i in like)
     return None if any(o is None for o in outs) else _into(e, arrays, outs, extra)
 
@@ -129,6 +140,7 @@ def invoke(name: str, arrays: tuple, extra: tuple = (), out=None):
     args = [None if a is None and i == e.optional else Arg(a, e.arrays[i]) for i, a in enumerate(arrays)]
     if out is not None:
         return call(e.fn, args, out, *extra)
-    outs = [empty_like(args[i]) for i in e.like]
+    outs = [empty_like(args[0], tuple(args[0].array.shape)[:-1], "float32") if i == LSE else empty_like(args[i])
+            for i in e.like]
     run(e.fn, args, outs, *extra)
     return outs[0] if len(outs) == 1 else tuple(outs)

@@ -195,6 +195,12 @@ def _cast_table(t, x: Arg, name: str):
 
 
 def _rope(x, cos, sin, positions, interleaved, inverse):
+    # The call as the kernel takes it (tables in x's dtype, positions
+    # [batch, seq]) goes straight to the op table; the rest is adapted here.
+    dt = getattr(x, "dtype", None)
+    if (dt is not None and type(interleaved) is bool and getattr(positions, "ndim", 0) == 2
+            and getattr(cos, "dtype", None) == dt and getattr(sin, "dtype", None) == dt and getattr(x, "ndim", 0) == 4):
+        return invoke("rope", (x, cos, sin, positions), (interleaved, inverse))
     a = Arg(x, "x")
     shape = tuple(a.array.shape)
     if len(shape) != 4:
@@ -237,12 +243,9 @@ def attention(q: Array, k: Array, v: Array, causal: bool = False, scale: float |
     lse -inf, with zero gradients); "top_left" (torch SDPA's is_causal):
     j <= i. With return_lse, also the float32 log-sum-exp [batch, heads,
     seq] the backward needs."""
-    aq, ak, av = Arg(q, "q"), Arg(k, "k"), Arg(v, "v")
-    shape = tuple(aq.array.shape)
+    shape = tuple(Arg(q, "q").array.shape)
     scale, causal = _scale(scale, shape), _checks.flag("causal", causal)
-    out = empty_like(aq)
-    lse = empty_like(aq, shape[:3], "float32")
-    run(_C.attention, [aq, ak, av], [out, lse], causal_mode(causal, causal_alignment), scale)
+    out, lse = invoke("attention", (q, k, v), (causal_mode(causal, causal_alignment), scale))
     return (out, lse) if return_lse else out
 
 

@@ -150,7 +150,7 @@ def test_one_table_drives_the_ops():
 
     for name, entry in _optable.TABLE.items():
         assert entry.fn is getattr(_C, name), name
-        assert all(0 <= i < len(entry.arrays) for i in entry.like), name
+        assert all(0 <= i < len(entry.arrays) or i == _optable.LSE for i in entry.like), name
     seen = []
     real = _optable.TABLE["silu"]
     _optable.TABLE["silu"] = real._replace(fn=lambda *a, **k: seen.append(len(a)) or real.fn(*a, **k))
@@ -160,3 +160,35 @@ def test_one_table_drives_the_ops():
     finally:
         _optable.TABLE["silu"] = real
     assert len(seen) == 2
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_rope_and_attention_on_the_table_lane(kind):
+    """rope with tables in x's dtype and [batch, seq] positions, and
+    attention (its float32 lse made beside the output), take the table's
+    fast lane and give the general path's answer."""
+    from tensor_ops import _optable
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 5, 3, 8), dtype=np.float32)
+    ang = rng.standard_normal((16, 4)).astype(np.float32)
+    cos, sin, pos = np.cos(ang), np.sin(ang), np.array([[0, 3, 4, 9, 15], [1, 1, 2, 3, 5]], np.int64)
+    q = rng.standard_normal((2, 4, 3, 8), dtype=np.float32)
+    k = rng.standard_normal((2, 2, 6, 8), dtype=np.float32)
+    v = rng.standard_normal((2, 2, 6, 8), dtype=np.float32)
+    conv = (lambda a: torch.from_numpy(a)) if kind == "torch" else (lambda a: a)
+    fast = _optable._fast(_optable.TABLE["rope"], tuple(map(conv, (x, cos, sin, pos))), (False, False))
+    assert fast is not None
+    general = tensor_ops.rope(x, cos.astype(np.float64), sin, pos)  # float64 tables: the adapting path
+    np.testing.assert_allclose(np.asarray(fast), general, rtol=1e-6, atol=1e-6)
+    made = _optable._fast(_optable.TABLE["attention"], tuple(map(conv, (q, k, v))), (1, 0.35))
+    if kind == "torch":
+        assert made is not None and made[1].dtype == torch.float32 and tuple(made[1].shape) == (2, 4, 3)
+    out, lse = tensor_ops.attention(conv(q), conv(k), conv(v), causal=True, scale=0.35, return_lse=True)
+    qt, kt, vt = (torch.from_numpy(a).double() for a in (q, k, v))
+    kt, vt = kt.repeat_interleave(2, 1), vt.repeat_interleave(2, 1)
+    s = (qt @ kt.transpose(-1, -2)) * 0.35
+    mask = torch.ones(3, 6, dtype=torch.bool).tril(6 - 3)
+    s = s.masked_fill(~mask, float("-inf"))
+    np.testing.assert_allclose(np.asarray(out), (torch.softmax(s, -1) @ vt).numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), torch.logsumexp(s, -1).numpy(), rtol=1e-5, atol=1e-5)
