@@ -189,6 +189,21 @@ TENSOR_OPS_VEC_INLINE vf masked_exp(vf x, vf pos, vf lim) {
   return from_bits(as_bits(e) & (vu)(pos <= lim));
 }
 
+// The finished rows of a forward row tile: O / l into the output, and the
+// log-sum-exp m + log l (-inf for a row that saw no key).
+template <DType D>
+inline void attn_store_rows(const AttnShape& s, const to_tensor& o, const to_tensor& lse, int64_t b, int64_t kvh,
+                            int64_t r0, int64_t nr, float* O, const float* m, const float* l) {
+  for (int64_t r = 0; r < nr; ++r) {
+    float* orow = O + r * s.Dp;
+    const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < s.Dm; ++d) orow[d] *= inv;
+    st<D>(orow, o.data, s.row_offset(b, kvh, r0 + r), s.Dm);
+    static_cast<float*>(lse.data)[s.lse_index(b, kvh, r0 + r)] =
+        l[r] > 0 ? m[r] + __builtin_logf(l[r]) : -__builtin_inff();
+  }
+}
+
 // ---- forward: items are (batch, kv head, packed row tile) ----------------
 // scratch (attention_scratch_floats): Q | O (rows x Dp) | K^T (Dp x keys) |
 // V (keys x Dp) | S (rows x keys) | m | l | lim | corr (rows)
@@ -258,13 +273,7 @@ void attention_tile_keys(const to_op_call& c, const AttnShape& s, int64_t b, int
     if (!v_in_place) attn_load_keys<D>(s, v.data, b, kvh, j0, nk, Vb, Dp, nk);
     attn_gemm(nr, Dp, nk, St, 1, R, Vp, Dp, O, Dp, true);  // O += P V, P^T read transposed
   }
-  for (int64_t r = 0; r < nr; ++r) {
-    float* orow = O + r * Dp;
-    const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
-    for (int64_t d = 0; d < s.Dm; ++d) orow[d] *= inv;
-    st<D>(orow, o.data, s.row_offset(b, kvh, r0 + r), s.Dm);
-    static_cast<float*>(lse.data)[s.lse_index(b, kvh, r0 + r)] = l[r] > 0 ? m[r] + __builtin_logf(l[r]) : ninf;
-  }
+  attn_store_rows<D>(s, o, lse, b, kvh, r0, nr, O, m, l);
 }
 
 template <DType D>
@@ -331,13 +340,7 @@ int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
       }
       attn_gemm(nr, Dp, K, S, K, V, Dp, O, Dp, true);
     }
-    for (int64_t r = 0; r < nr; ++r) {
-      float* orow = O + r * Dp;
-      const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
-      for (int64_t d = 0; d < s.Dm; ++d) orow[d] *= inv;
-      st<D>(orow, o.data, s.row_offset(b, kvh, r0 + r), s.Dm);
-      static_cast<float*>(lse.data)[s.lse_index(b, kvh, r0 + r)] = l[r] > 0 ? m[r] + __builtin_logf(l[r]) : ninf;
-    }
+    attn_store_rows<D>(s, o, lse, b, kvh, r0, nr, O, m, l);
   }
   return 0;
 }
