@@ -415,12 +415,13 @@ def _set_attention(model: nn.Module, warnings: List[str], counts) -> None:
 
 def _rope_tables(cos: torch.Tensor, sin: torch.Tensor):
     """HF's cos / sin [batch, seq, rotary_dim] as our kernel's [rows, rotary_dim / 2] tables and the
-    positions that pick each batch's rows (None for batch 1); once per call, for q and k alike."""
+    [batch, seq] positions that pick each batch's rows; once per call, for q and k alike. The positions
+    are given even for batch 1 (decode): the op then takes the op table's fast lane instead of making
+    them itself."""
     b, s, rd = cos.shape
     half = rd // 2
     c, sn = cos[..., :half].reshape(b * s, half), sin[..., :half].reshape(b * s, half)
-    positions = None if b == 1 else torch.arange(b * s, device=cos.device).view(b, s)
-    return c, sn, positions
+    return c, sn, torch.arange(b * s, device=cos.device).view(b, s)
 
 
 def _rope_one(x: torch.Tensor, c: torch.Tensor, sn: torch.Tensor, positions) -> torch.Tensor:
