@@ -3,9 +3,9 @@ modules, and one op table driving the Python op path."""
 import ast
 import pathlib
 
-import tensor_ops
-
-PKG = pathlib.Path(tensor_ops.__file__).parent
+# The source tree, not the imported copy: CI's sanitizer build imports a
+# partial copy of the package (without tensor_ops.torch).
+PKG = pathlib.Path(__file__).resolve().parents[2] / "python" / "tensor_ops"
 
 
 def _modules() -> dict:
