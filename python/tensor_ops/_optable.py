@@ -14,8 +14,8 @@ invoke takes one of two lanes:
   binding (Note [outputs made in C++] in python/src/convert.cpp; one C call
   instead of a torch.empty_like per output), numpy outputs by np.empty.
 - the general lane, for everything else: Arg conversion (DLPack producers,
-  numpy bfloat16, tensors that need a gradient, lazy torch views, device
-  data and its streams), outputs in the caller's framework, a contiguous
+  numpy bfloat16, mixed kinds or dtypes, lazy torch views, device data and
+  its streams), outputs in the caller's framework, a contiguous
   retry for strided inputs, and the worded refusals.
 A layout the core refuses on the fast lane (a strided or lazy view) sends
 the call to the general lane, which copies what needs copying.
@@ -83,12 +83,7 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
                     return None
         if len(like) == 1:
             a = arrays[like[0]]
-            o = _np_empty(a.shape, dt) if a.nbytes < POOL_OUTPUT_BYTES else fast_out(a)
-            try:
-                e.fn(*arrays, o, *extra)
-            except LayoutError:
-                return None
-            return o
+            return _into(e, arrays, (_np_empty(a.shape, dt) if a.nbytes < POOL_OUTPUT_BYTES else fast_out(a),), extra)
         return _into(e, arrays, tuple(_np_empty(x.shape[:-1], np.float32) if i == LSE
                                       else _np_empty(arrays[i].shape, dt) if arrays[i].nbytes < POOL_OUTPUT_BYTES
                                       else fast_out(arrays[i]) for i in like), extra)
