@@ -204,6 +204,172 @@ inline void attn_store_rows(const AttnShape& s, const to_tensor& o, const to_ten
   }
 }
 
+// One row of a key tile's scores S [kAttnKeys] (keys j0.., nk of them valid)
+// into P in place: keys past the tile's end or the row's causal limit masked
+// (when edge), the row's running max m and sum l updated, and its
+// accumulator row O rescaled when the max grew. lane = {0, 1, ..}.
+inline void attn_online_row(float* srow, int64_t j0, int64_t nk, float limit, bool edge, float& m, float& l,
+                            float* orow, int64_t Dp, vf lane) {
+  constexpr int64_t K = kAttnKeys;
+  const float ninf = -__builtin_inff();
+  const vf lim = splat<vf>(edge ? min_t(limit, float(j0 + nk - 1)) : __builtin_inff());
+  vf mx = splat<vf>(ninf);
+  for (int64_t j = 0; j < K; j += kVW) {
+    const vf pos = lane + float(j0 + j);
+    vf sv = vload(srow + j);
+    sv = (vf)(((vu)(pos <= lim) & as_bits(sv)) | ((vu)(pos > lim) & as_bits(splat<vf>(ninf))));
+    vstore(srow + j, sv);
+    mx = max_t(mx, sv);
+  }
+  float mrow = ninf;
+  for (int x = 0; x < kVW; ++x) mrow = max_t(mrow, mx[x]);
+  const float mnew = max_t(m, mrow);
+  if (mnew == ninf) {  // nothing visible yet: P is zero, the accumulator stays zero
+    zero_f(srow, K);
+    return;
+  }
+  const float corr = m == ninf ? 0.0f : exp_f32(m - mnew);
+  vf sum = {};
+  for (int64_t j = 0; j < K; j += kVW) {
+    const vf sv = vload(srow + j);
+    const vf p = from_bits(as_bits(exp_nonpos_t(sv - mnew)) & (vu)(sv > splat<vf>(ninf)));
+    vstore(srow + j, p);
+    sum += p;
+  }
+  l = l * corr + hsum(sum);
+  if (corr != 1.0f)
+    for (int64_t d = 0; d < Dp; d += kVW) vstore(orow + d, vload(orow + d) * corr);
+  m = mnew;
+}
+
+// ---- decode: a few packed rows (<= kAttnDecodeRows) over the keys ---------
+// Decode (Lq = 1: the G query heads of a kv head) is bound by reading K and
+// V once. These rows read both in place, in D, with no tile copied or
+// transposed: S = Q K^T as each key row's dot products with the (scaled,
+// fp32) query rows, two keys at a time; O += P V with O's columns in
+// registers while the tile's V rows stream past. The tile's V rows and the
+// next tile's K rows are prefetched while the current ones are in use.
+constexpr int64_t kAttnDecodeRows = 8;
+
+// S[r][j] = Q[r] . K row j, for NR rows of Q (fp32, stride Dp, zero past Dm)
+// and keys [0, nk) of the rows at element `kp0` of kdata (stride Dm).
+template <DType D, int NR>
+inline void attn_decode_qk(const float* Q, int64_t Dp, const void* kdata, int64_t kp0, int64_t Dm, int64_t nk,
+                           float* S, int64_t lds) {
+  auto keys = [&](int64_t j, auto two) {
+    constexpr int KN = decltype(two)::value;
+    vf acc[NR][KN] = {};
+    auto step = [&](int64_t d, auto a) {
+      vf kv[KN];
+#pragma GCC unroll 2
+      for (int x = 0; x < KN; ++x) kv[x] = ldx<D>(kdata, kp0 + (j + x) * Dm + d, a);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const vf qv = vload(Q + r * Dp + d);
+#pragma GCC unroll 2
+        for (int x = 0; x < KN; ++x) acc[r][x] += qv * kv[x];
+      }
+    };
+    int64_t d = 0;
+    for (; d + kVW <= Dm; d += kVW) step(d, Full{});
+    if (d < Dm) step(d, Part{int(Dm - d)});
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 2
+      for (int x = 0; x < KN; ++x) S[r * lds + j + x] = hsum(acc[r][x]);
+  };
+  int64_t j = 0;
+  for (; j + 2 <= nk; j += 2) keys(j, std::integral_constant<int, 2>{});
+  if (j < nk) keys(j, std::integral_constant<int, 1>{});
+}
+
+// O[r] += sum_j P[r][j] V row j, j < nk, for NR rows (O stride Dp; V rows at
+// element vp0 of vdata, stride Dm): two column vectors of O per pass.
+template <DType D, int NR>
+inline void attn_decode_pv(const float* P, int64_t lds, const void* vdata, int64_t vp0, int64_t Dm, int64_t nk,
+                           float* O, int64_t Dp) {
+  auto cols = [&](int64_t d, auto n, auto a) {
+    constexpr int CN = decltype(n)::value;
+    vf o[NR][CN];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 2
+      for (int x = 0; x < CN; ++x) o[r][x] = vload(O + r * Dp + d + x * kVW);
+    for (int64_t j = 0; j < nk; ++j) {
+      vf vv[CN];
+#pragma GCC unroll 2
+      for (int x = 0; x < CN; ++x) vv[x] = ldx<D>(vdata, vp0 + j * Dm + d + x * kVW, a);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const vf p = bcast(P + r * lds + j);
+#pragma GCC unroll 2
+        for (int x = 0; x < CN; ++x) o[r][x] += p * vv[x];
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 2
+      for (int x = 0; x < CN; ++x) vstore(O + r * Dp + d + x * kVW, o[r][x]);
+  };
+  int64_t d = 0;
+  for (; d + 2 * kVW <= Dm; d += 2 * kVW) cols(d, std::integral_constant<int, 2>{}, Full{});
+  if (d + kVW <= Dm) cols(d, std::integral_constant<int, 1>{}, Full{}), d += kVW;
+  if (d < Dm) cols(d, std::integral_constant<int, 1>{}, Part{int(Dm - d)});
+}
+
+// Calls f(std::integral_constant<int, NR>) for NR = n (1..4).
+template <class F>
+TENSOR_OPS_VEC_INLINE void attn_rows_1to4(int64_t n, F&& f) {
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// prefetch the rows [j0, j0 + n) (stride Dm elements of `item` bytes) at element p0 of data
+inline void attn_prefetch_rows(const void* data, int64_t p0, int64_t Dm, int64_t n, int64_t item) {
+  const char* base = static_cast<const char*>(data) + p0 * item;
+  const int64_t bytes = n * Dm * item;
+  for (int64_t x = 0; x < bytes; x += 64) prefetch(base + x);
+}
+
+template <DType D>
+void attention_decode_rows(const to_op_call& c, const AttnShape& s, int64_t b, int64_t kvh, int64_t r0, int64_t nr,
+                           float* scratch) {
+  const to_tensor &q = c.inputs[0], &k = c.inputs[1], &v = c.inputs[2], &o = c.outputs[0], &lse = c.outputs[1];
+  const int64_t Dp = s.Dp, R = kAttnRows, K = kAttnKeys, Dm = s.Dm;
+  constexpr int64_t item = dtype_size(D);
+  float *Q = scratch, *O = Q + R * Dp, *S = O + R * Dp, *m = S + R * K, *l = m + R;
+  const float ninf = -__builtin_inff();
+  attn_load_rows<D>(s, q.data, b, kvh, r0, nr, Q, Dp, s.scale);
+  zero_f(O, nr * Dp);
+  for (int64_t r = 0; r < nr; ++r) m[r] = ninf, l[r] = 0;
+  const int64_t kend = s.key_end(r0 + nr), kvbase = (b * s.Hkv + kvh) * s.Lk * Dm;
+  vf lane = {};
+  for (int x = 0; x < kVW; ++x) lane[x] = float(x);
+  attn_prefetch_rows(k.data, kvbase, Dm, min64(K, kend), item);
+  for (int64_t j0 = 0; j0 < kend; j0 += K) {
+    const int64_t nk = min64(K, kend - j0), p0 = kvbase + j0 * Dm;
+    attn_prefetch_rows(v.data, p0, Dm, nk, item);
+    for (int64_t g = 0; g < nr; g += 4)
+      attn_rows_1to4(nr - g, [&](auto n) {
+        attn_decode_qk<D, decltype(n)::value>(Q + g * Dp, Dp, k.data, p0, Dm, nk, S + g * K, K);
+      });
+    if (j0 + K < kend) attn_prefetch_rows(k.data, p0 + K * Dm, Dm, min64(K, kend - j0 - K), item);
+    const bool edge = nk < K || (s.causal && j0 + K - 1 > r0 / s.G + s.off);
+    for (int64_t r = 0; r < nr; ++r)
+      attn_online_row(S + r * K, j0, nk, edge ? s.limit(r0 + r) : __builtin_inff(), edge, m[r], l[r], O + r * Dp,
+                      Dp, lane);
+    for (int64_t g = 0; g < nr; g += 4)
+      attn_rows_1to4(nr - g, [&](auto n) {
+        attn_decode_pv<D, decltype(n)::value>(S + g * K, K, v.data, p0, Dm, nk, O + g * Dp, Dp);
+      });
+  }
+  attn_store_rows<D>(s, o, lse, b, kvh, r0, nr, O, m, l);
+}
+
 // ---- forward: items are (batch, kv head, packed row tile) ----------------
 // scratch (attention_scratch_floats): Q | O (rows x Dp) | K^T (Dp x keys) |
 // V (keys x Dp) | S (rows x keys) | m | l | lim | corr (rows)
@@ -291,6 +457,10 @@ int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
       attention_tile_keys<D>(c, s, b, kvh, r0, nr, scratch);
       continue;
     }
+    if (nr <= kAttnDecodeRows) {
+      attention_decode_rows<D>(c, s, b, kvh, r0, nr, scratch);
+      continue;
+    }
     attn_load_rows<D>(s, q.data, b, kvh, r0, nr, Q, Dp, s.scale);
     zero_f(O, R * Dp);
     for (int64_t r = 0; r < R; ++r) m[r] = ninf, l[r] = 0;
@@ -305,39 +475,9 @@ int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
       attn_gemm(nr, K, s.Dm, Q, Dp, Kt, K, S, K, false);
       // masks: keys past the tile's end, and (causal) past each row's limit
       const bool edge = nk < K || (s.causal && j0 + K - 1 > r0 / s.G + s.off);
-      for (int64_t r = 0; r < nr; ++r) {
-        float* srow = S + r * K;
-        const vf lim = splat<vf>(edge ? min_t(s.limit(r0 + r), float(j0 + nk - 1)) : __builtin_inff());
-        vf mx = splat<vf>(ninf);
-        for (int64_t j = 0; j < K; j += kVW) {
-          const vf pos = lane + float(j0 + j);
-          vf sv = vload(srow + j);
-          sv = (vf)(((vu)(pos <= lim) & as_bits(sv)) | ((vu)(pos > lim) & as_bits(splat<vf>(ninf))));
-          vstore(srow + j, sv);
-          mx = max_t(mx, sv);
-        }
-        float mrow = ninf;
-        for (int x = 0; x < kVW; ++x) mrow = max_t(mrow, mx[x]);
-        const float mnew = max_t(m[r], mrow);
-        if (mnew == ninf) {  // nothing visible yet: P is zero, the accumulator stays zero
-          zero_f(srow, K);
-          continue;
-        }
-        const float corr = m[r] == ninf ? 0.0f : exp_f32(m[r] - mnew);
-        vf sum = {};
-        for (int64_t j = 0; j < K; j += kVW) {
-          const vf sv = vload(srow + j);
-          const vf p = from_bits(as_bits(exp_nonpos_t(sv - mnew)) & (vu)(sv > splat<vf>(ninf)));
-          vstore(srow + j, p);
-          sum += p;
-        }
-        l[r] = l[r] * corr + hsum(sum);
-        if (corr != 1.0f) {
-          float* orow = O + r * Dp;
-          for (int64_t d = 0; d < Dp; d += kVW) vstore(orow + d, vload(orow + d) * corr);
-        }
-        m[r] = mnew;
-      }
+      for (int64_t r = 0; r < nr; ++r)
+        attn_online_row(S + r * K, j0, nk, edge ? s.limit(r0 + r) : __builtin_inff(), edge, m[r], l[r], O + r * Dp,
+                        Dp, lane);
       attn_gemm(nr, Dp, K, S, K, V, Dp, O, Dp, true);
     }
     attn_store_rows<D>(s, o, lse, b, kvh, r0, nr, O, m, l);

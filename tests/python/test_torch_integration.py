@@ -320,6 +320,33 @@ def test_cross_entropy_backward_uses_the_forward_gradient(monkeypatch, eager_pat
     assert len(calls) == 1
 
 
+def test_cross_entropy_backward_hands_back_the_forward_gradient(monkeypatch, eager_path):
+    """A plain loss.backward() (incoming gradient 1) passes the forward's
+    dlogits on as it is: no multiply and no second [N, C] buffer; any other
+    gradient scales a copy, so a dlogits the caller holds stays as it was."""
+    made = []
+    fused = tensor_ops.cross_entropy_with_grad
+    monkeypatch.setattr(tensor_ops, "cross_entropy_with_grad", lambda *a, **k: made.append(fused(*a, **k)) or made[-1])
+    torch.manual_seed(2)
+    x, w = torch.randn(6, 5, requires_grad=True), torch.randn(5, 11)
+    target = torch.randint(0, 11, (6,))
+    logits = x @ w
+    seen = []
+    logits.register_hook(lambda g: seen.append(g))
+    tt.cross_entropy(logits, target).backward()
+    assert seen[0].data_ptr() == made[0][1].data_ptr()
+    ref = x.detach().double().requires_grad_()
+    F.cross_entropy(ref @ w.double(), target).backward()
+    assert rel_err(x.grad, ref.grad) < 1e-5
+    # a gradient other than 1, through the op whose dlogits the caller sees
+    logits2 = torch.randn(6, 11, requires_grad=True)
+    loss, dl = tt.cross_entropy_with_grad(logits2, target)
+    before = dl.clone()
+    (loss * 0.25).backward()
+    assert torch.equal(dl, before)
+    assert torch.allclose(logits2.grad, before * 0.25)
+
+
 def test_attention_lse_is_float32_and_not_differentiable(eager_path):
     q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
     out, lse = tt.attention(q, q, q, return_lse=True)

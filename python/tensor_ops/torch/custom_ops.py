@@ -348,8 +348,19 @@ _register(attention,
           _attention_setup, _attention_bwd)
 
 
-def _scaled(dlogits, dloss, reduction):
-    """The forward's dlogits times the incoming gradient of the loss."""
+def _scaled(dlogits, dloss, reduction, private):
+    """The forward's dlogits times the incoming gradient of the loss. Eager
+    (a plain tensor, not traced) on the CPU, a reduced loss's gradient of exactly 1 (a
+    plain loss.backward()) hands dlogits back as it is, and a private dlogits
+    (made by this backward, seen by no caller) is scaled in place: either
+    way no second [N, C] buffer and no extra pass over it."""
+    if (type(dloss) is torch.Tensor and reduction != "none" and dloss.device.type == "cpu" and dloss.numel() == 1
+            and not torch.compiler.is_compiling()):
+        g = float(dloss)
+        if g == 1.0:
+            return dlogits
+        if private:
+            return dlogits.mul_(g)
     g = dloss.to(dlogits.dtype)
     return dlogits * (g[:, None] if reduction == "none" else g)
 
@@ -376,7 +387,7 @@ def _ce_with_grad_setup(ctx, inputs, output):
 
 
 def _ce_with_grad_bwd(ctx, dloss, _, k):
-    return _scaled(ctx.saved_tensors[0], dloss, ctx.reduction), *_CE_NONES
+    return _scaled(ctx.saved_tensors[0], dloss, ctx.reduction, private=False), *_CE_NONES
 
 
 _register(cross_entropy_with_grad,
@@ -403,7 +414,7 @@ def _ce_setup(ctx, inputs, output):
 def _ce_bwd(ctx, dloss, k):
     logits, target = ctx.saved_tensors
     _, dlogits = k.cross_entropy_with_grad(logits, target, *ctx.options)
-    return _scaled(dlogits, dloss, ctx.options[1]), *_CE_NONES
+    return _scaled(dlogits, dloss, ctx.options[1], private=True), *_CE_NONES
 
 
 _register(cross_entropy,
