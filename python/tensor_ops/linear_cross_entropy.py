@@ -28,6 +28,8 @@ from .errors import DTypeError, InvalidArgumentError
 from .ops import cross_entropy, cross_entropy_with_grad
 
 REDUCTIONS = ("mean", "sum", "none")
+# Rows of grad_weight per accumulation step (fw.accumulator): its buffers stay [ACC_ROWS, H] or [ACC_ROWS, chunk].
+ACC_ROWS = 1024
 
 
 def default_chunk_size(n: int, hidden: int, vocab: int) -> int:
@@ -86,6 +88,7 @@ def chunked(fw, hidden, weight, target, bias, ignore_index: int, chunk_size: int
         gh = fw.empty((n, h), hidden.dtype, hidden)
         gw = fw.zeros((v, h), acc, hidden)
         gb = None if bias is None else fw.zeros((v,), acc, hidden)
+        add_grad_weight = fw.accumulator(gw, hidden.dtype, min(chunk_size, n))
     buf = fw.empty((min(chunk_size, n), v), hidden.dtype, hidden)
     for s in range(0, n, chunk_size):
         e = min(n, s + chunk_size)
@@ -100,7 +103,7 @@ def chunked(fw, hidden, weight, target, bias, ignore_index: int, chunk_size: int
         if dloss_rows is not None:
             dl *= fw.cast(dloss_rows[s:e, None], dl.dtype)
         fw.mm(dl, weight, gh[s:e])
-        fw.addmm_(gw, dl.T, h_c)
+        add_grad_weight(dl.T, h_c)
         if gb is not None:
             gb += dl.sum(0, dtype=gb.dtype)
         del rows, dl  # before the next chunk allocates its own
@@ -130,15 +133,33 @@ def _np_mm(a, b, out):
     np.matmul(a, b, out=out)
 
 
-def _np_addmm_(acc, a, b, rows: int = 1024):
-    """acc += a @ b, in row blocks of acc so the product's temporary stays
-    [rows, H] (numpy's matmul has no accumulating form)."""
-    a, b = a.astype(acc.dtype, copy=False), b.astype(acc.dtype, copy=False)
-    tmp = np.empty((min(rows, acc.shape[0]), acc.shape[1]), acc.dtype)
-    for r in range(0, acc.shape[0], rows):
-        t = tmp[:min(rows, acc.shape[0] - r)]
-        np.matmul(a[r:r + rows], b, out=t)
-        acc[r:r + rows] += t
+def _np_accumulator(acc, dtype, chunk: int, rows: int = ACC_ROWS):
+    """add(a, b): acc [V, H] += a @ b for a [V, <= chunk] and b [<= chunk, H]
+    (a chunk's dlogits.T and hidden rows), a block of acc's rows at a time
+    through one product buffer made here, once (numpy's matmul has no
+    accumulating form). Inputs narrower than acc (fp16 / bf16 into fp32) are
+    converted into buffers made here too, a's a block at a time: no converted
+    copy of a whole chunk's dlogits exists."""
+    rows = min(rows, acc.shape[0])
+    prod = np.empty((rows, acc.shape[1]), acc.dtype)
+    convert = np.dtype(dtype) != acc.dtype
+    a_acc = np.empty((rows, chunk), acc.dtype) if convert else None
+    b_acc = np.empty((chunk, acc.shape[1]), acc.dtype) if convert else None
+
+    def add(a, b):
+        k = b.shape[0]
+        if convert:
+            b_acc[:k] = b
+            b = b_acc[:k]
+        for r in range(0, acc.shape[0], rows):
+            m = min(rows, acc.shape[0] - r)
+            blk = a[r:r + m]
+            if convert:
+                a_acc[:m, :k] = blk
+                blk = a_acc[:m, :k]
+            np.matmul(blk, b, out=prod[:m])
+            acc[r:r + m] += prod[:m]
+    return add
 
 
 NUMPY = types.SimpleNamespace(
@@ -147,7 +168,7 @@ NUMPY = types.SimpleNamespace(
     cast=lambda x, dtype: x.astype(dtype, copy=False),
     empty=lambda shape, dtype, like: np.empty(shape, dtype),
     zeros=lambda shape, dtype, like: np.zeros(shape, dtype),
-    linear=_np_linear, mm=_np_mm, addmm_=_np_addmm_,
+    linear=_np_linear, mm=_np_mm, accumulator=_np_accumulator,
 )
 
 

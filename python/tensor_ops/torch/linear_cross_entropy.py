@@ -37,8 +37,27 @@ def _linear(h_c, weight, bias, out):
         torch.addmm(bias, h_c, weight.t(), out=out)
 
 
-def _addmm_(acc, a, b):
-    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+def _accumulator(acc, dtype, chunk: int, rows: int = _lce.ACC_ROWS):
+    """add(a, b): acc [V, H] += a @ b for a [V, <= chunk] and b [<= chunk, H]
+    (a chunk's dlogits.T and hidden rows): one addmm_ into acc when the dtypes
+    agree. fp16 / bf16 into fp32 (torch's CPU addmm takes one dtype) go
+    through fp32 buffers made here, once: b whole, a a block of acc's rows at
+    a time, so no fp32 copy of a whole chunk's dlogits exists."""
+    if dtype == acc.dtype:
+        return acc.addmm_
+    rows = min(rows, acc.shape[0])
+    a_acc = acc.new_empty((rows, chunk))
+    b_acc = acc.new_empty((chunk, acc.shape[1]))
+
+    def add(a, b):
+        k = b.shape[0]
+        b_acc[:k].copy_(b)
+        for r in range(0, acc.shape[0], rows):
+            m = min(rows, acc.shape[0] - r)
+            blk = a_acc[:m, :k]
+            blk.copy_(a[r:r + m])
+            acc[r:r + m].addmm_(blk, b_acc[:k])
+    return add
 
 
 TORCH = types.SimpleNamespace(
@@ -49,7 +68,7 @@ TORCH = types.SimpleNamespace(
     zeros=lambda shape, dtype, like: torch.zeros(shape, dtype=dtype, device=like.device),
     linear=_linear,
     mm=lambda a, b, out: torch.mm(a, b, out=out),
-    addmm_=_addmm_,
+    accumulator=_accumulator,
 )
 
 
