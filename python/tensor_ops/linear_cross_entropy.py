@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _checks
 from .errors import DTypeError, InvalidArgumentError
-from .ops import cross_entropy, cross_entropy_with_grad
+from .ops import _ce_options, cross_entropy, cross_entropy_with_grad
 
 REDUCTIONS = ("mean", "sum", "none")
 # Rows of grad_weight per accumulation step (fw.accumulator): its buffers stay [ACC_ROWS, H] or [ACC_ROWS, chunk].
@@ -49,6 +49,13 @@ def check_options(ignore_index, reduction, chunk_size) -> tuple:
     if chunk_size is not None and _checks.integer("chunk_size", chunk_size) < 1:
         raise InvalidArgumentError(f"fused_linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
     return ignore_index, reduction, chunk_size
+
+
+def check_ce_options(label_smoothing, z_loss, softcap) -> tuple:
+    """(label_smoothing, z_loss, softcap) checked as cross_entropy checks them
+    (before any chunk runs), as floats; softcap None for none."""
+    label_smoothing, z_loss, cap = _ce_options(label_smoothing, z_loss, softcap)
+    return label_smoothing, z_loss, (cap if cap else None)
 
 
 def check_args(hidden, weight, target, bias, ignore_index, reduction, chunk_size) -> tuple:

@@ -106,6 +106,21 @@ def test_numpy_options_match_float64(rng, options, reduction):
         _close(got, ref, what)
 
 
+@pytest.mark.parametrize("options", CE_OPTIONS, ids=["smooth", "zloss", "softcap", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_torch_options_match_float64(rng, options, reduction):
+    hidden, weight, target, b = _data(rng)
+    ref_dloss = rng.standard_normal(len(target)) if reduction == "none" else 0.6
+    want = _reference(hidden, weight, target, b, reduction, ref_dloss, **options)
+    h, w, bb = (torch.tensor(a, requires_grad=True) for a in (hidden, weight, b))
+    module = tt.FusedLinearCrossEntropyLoss(reduction=reduction, chunk_size=8, **options)
+    loss = module(w, h, torch.as_tensor(target), bb)
+    (loss * torch.as_tensor(ref_dloss, dtype=torch.float32)).sum().backward()
+    for got, ref, what in zip([loss.detach(), h.grad, w.grad, bb.grad], want,
+                              ["loss", "grad_hidden", "grad_weight", "grad_bias"]):
+        _close(got, ref, what)
+
+
 def test_numpy_weight_gradient_blocks(rng):
     # V larger than the row block numpy's accumulation works in
     hidden, weight, target, b = _data(rng, n=9, h=4, v=2100)
@@ -321,6 +336,10 @@ def test_bad_arguments():
         tt.fused_linear_cross_entropy(h, w.double(), t)
     with pytest.raises(tensor_ops.InvalidArgumentError, match="reduction"):
         tt.fused_linear_cross_entropy(h, w, t, reduction="avg")
+    with pytest.raises(tensor_ops.InvalidArgumentError, match="softcap must be > 0"):
+        tt.fused_linear_cross_entropy(h, w, t, softcap=0.0)
+    with pytest.raises(tensor_ops.InvalidArgumentError, match="label_smoothing"):
+        tt.FusedLinearCrossEntropyLoss(label_smoothing=1.5)
     with pytest.raises(tensor_ops.InvalidArgumentError, match="chunk_size must be >= 1, got 0"):
         tt.FusedLinearCrossEntropyLoss(chunk_size=0)
     with pytest.raises(tensor_ops.ArgumentTypeError, match="chunk_size"):
