@@ -12,7 +12,10 @@ are those of the summed loss; the mean's 1 / n_valid (valid rows of the whole
 batch, not of a chunk) and a backward's grad_output scale the finished
 gradients once at the end, a pass over [N, H] and [V, H] against the GEMMs' 6
 N H V flops. Gradients of fp16 / bf16 inputs accumulate over chunks in fp32
-(grad_weight sums N / chunk rounded GEMM outputs otherwise). This module runs
+(grad_weight sums N / chunk rounded GEMM outputs otherwise), through buffers
+fw.accumulator makes once per call ([ACC_ROWS, chunk] and [chunk, H]), so the
+loop makes no per-chunk temporary the size of the logits (numpy's own matmul
+on ml_dtypes bfloat16 still casts through float32 buffers). This module runs
 numpy input on numpy's BLAS; tensor_ops.torch.fused_linear_cross_entropy runs
 the same loop on torch's GEMMs.
 """
@@ -180,15 +183,17 @@ NUMPY = types.SimpleNamespace(
 
 
 def fused_linear_cross_entropy(hidden, weight, target, bias=None, ignore_index: int = -100, reduction: str = "mean",
-                               chunk_size: int | None = None, **options):
+                               chunk_size: int | None = None, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                               softcap: float | None = None):
     """cross_entropy(hidden @ weight.T + bias, target) on numpy arrays
     (hidden [N, H], weight [V, H], target [N], bias [V] or None) without the
     [N, V] logits: returns (loss, grad_hidden, grad_weight, grad_bias), the
     gradients of the reduced loss (of the sum for reduction="none", as
     cross_entropy_with_grad), grad_bias None without a bias. The loss is
     float32, the gradients in the inputs' dtype. chunk_size: rows per chunk
-    (default: default_chunk_size). options go to cross_entropy_with_grad. Torch
-    tensors: tensor_ops.torch.fused_linear_cross_entropy (autograd)."""
+    (default: default_chunk_size). label_smoothing, z_loss and softcap as
+    cross_entropy's. Torch tensors: tensor_ops.torch.fused_linear_cross_entropy
+    (autograd)."""
     arrays = [hidden, weight, target] + ([] if bias is None else [bias])
     if not all(isinstance(a, np.ndarray) for a in arrays):
         raise DTypeError(f"fused_linear_cross_entropy takes numpy arrays (torch tensors: "
@@ -196,8 +201,10 @@ def fused_linear_cross_entropy(hidden, weight, target, bias=None, ignore_index: 
                          f"{', '.join(type(a).__name__ for a in arrays)}")
     ignore_index, reduction, chunk_size = check_args(hidden, weight, target, bias, ignore_index, reduction,
                                                      chunk_size)
+    label_smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, softcap)
     hidden, weight = np.ascontiguousarray(hidden), np.ascontiguousarray(weight)
-    losses, gh, gw, gb = chunked(NUMPY, hidden, weight, target, bias, ignore_index, chunk_size, True, **options)
+    losses, gh, gw, gb = chunked(NUMPY, hidden, weight, target, bias, ignore_index, chunk_size, True,
+                                 label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     loss, scale = reduce(losses, target, ignore_index, reduction)
     if scale != 1.0:
         gh *= scale

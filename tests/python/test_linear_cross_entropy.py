@@ -346,6 +346,8 @@ def test_bad_arguments():
         tt.fused_linear_cross_entropy(h, w, t, chunk_size=2.0)
     with pytest.raises(tensor_ops.DTypeError, match="numpy arrays"):
         tensor_ops.fused_linear_cross_entropy(h, w, t)
+    with pytest.raises(tensor_ops.InvalidArgumentError, match="z_loss must be >= 0, got -1.0"):  # before any chunk
+        tensor_ops.fused_linear_cross_entropy(h.numpy()[:0], w.numpy(), t.numpy()[:0], z_loss=-1.0)
     with pytest.raises(tensor_ops.InvalidArgumentError, match="no classes"):
         tensor_ops.fused_linear_cross_entropy(h.numpy(), np.zeros((0, 8), np.float32), t.numpy())
 
