@@ -12,7 +12,10 @@ are those of the summed loss; the mean's 1 / n_valid (valid rows of the whole
 batch, not of a chunk) and a backward's grad_output scale the finished
 gradients once at the end, a pass over [N, H] and [V, H] against the GEMMs' 6
 N H V flops. Gradients of fp16 / bf16 inputs accumulate over chunks in fp32
-(grad_weight sums N / chunk rounded GEMM outputs otherwise). This module runs
+(grad_weight sums N / chunk rounded GEMM outputs otherwise), through buffers
+fw.accumulator makes once per call ([ACC_ROWS, chunk] and [chunk, H]), so the
+loop makes no per-chunk temporary the size of the logits (numpy's own matmul
+on ml_dtypes bfloat16 still casts through float32 buffers). This module runs
 numpy input on numpy's BLAS; tensor_ops.torch.fused_linear_cross_entropy runs
 the same loop on torch's GEMMs.
 """
@@ -25,9 +28,11 @@ import numpy as np
 
 from . import _checks
 from .errors import DTypeError, InvalidArgumentError
-from .ops import cross_entropy, cross_entropy_with_grad
+from .ops import _ce_options, cross_entropy, cross_entropy_with_grad
 
 REDUCTIONS = ("mean", "sum", "none")
+# Rows of grad_weight per accumulation step (fw.accumulator): its buffers stay [ACC_ROWS, H] or [ACC_ROWS, chunk].
+ACC_ROWS = 1024
 
 
 def default_chunk_size(n: int, hidden: int, vocab: int) -> int:
@@ -47,6 +52,13 @@ def check_options(ignore_index, reduction, chunk_size) -> tuple:
     if chunk_size is not None and _checks.integer("chunk_size", chunk_size) < 1:
         raise InvalidArgumentError(f"fused_linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
     return ignore_index, reduction, chunk_size
+
+
+def check_ce_options(label_smoothing, z_loss, softcap) -> tuple:
+    """(label_smoothing, z_loss, softcap) checked as cross_entropy checks them
+    (before any chunk runs), as floats; softcap None for none."""
+    label_smoothing, z_loss, cap = _ce_options(label_smoothing, z_loss, softcap)
+    return label_smoothing, z_loss, (cap if cap else None)
 
 
 def check_args(hidden, weight, target, bias, ignore_index, reduction, chunk_size) -> tuple:
@@ -86,6 +98,7 @@ def chunked(fw, hidden, weight, target, bias, ignore_index: int, chunk_size: int
         gh = fw.empty((n, h), hidden.dtype, hidden)
         gw = fw.zeros((v, h), acc, hidden)
         gb = None if bias is None else fw.zeros((v,), acc, hidden)
+        add_grad_weight = fw.accumulator(gw, hidden.dtype, min(chunk_size, n))
     buf = fw.empty((min(chunk_size, n), v), hidden.dtype, hidden)
     for s in range(0, n, chunk_size):
         e = min(n, s + chunk_size)
@@ -100,7 +113,7 @@ def chunked(fw, hidden, weight, target, bias, ignore_index: int, chunk_size: int
         if dloss_rows is not None:
             dl *= fw.cast(dloss_rows[s:e, None], dl.dtype)
         fw.mm(dl, weight, gh[s:e])
-        fw.addmm_(gw, dl.T, h_c)
+        add_grad_weight(dl.T, h_c)
         if gb is not None:
             gb += dl.sum(0, dtype=gb.dtype)
         del rows, dl  # before the next chunk allocates its own
@@ -130,15 +143,33 @@ def _np_mm(a, b, out):
     np.matmul(a, b, out=out)
 
 
-def _np_addmm_(acc, a, b, rows: int = 1024):
-    """acc += a @ b, in row blocks of acc so the product's temporary stays
-    [rows, H] (numpy's matmul has no accumulating form)."""
-    a, b = a.astype(acc.dtype, copy=False), b.astype(acc.dtype, copy=False)
-    tmp = np.empty((min(rows, acc.shape[0]), acc.shape[1]), acc.dtype)
-    for r in range(0, acc.shape[0], rows):
-        t = tmp[:min(rows, acc.shape[0] - r)]
-        np.matmul(a[r:r + rows], b, out=t)
-        acc[r:r + rows] += t
+def _np_accumulator(acc, dtype, chunk: int, rows: int = ACC_ROWS):
+    """add(a, b): acc [V, H] += a @ b for a [V, <= chunk] and b [<= chunk, H]
+    (a chunk's dlogits.T and hidden rows), a block of acc's rows at a time
+    through one product buffer made here, once (numpy's matmul has no
+    accumulating form). Inputs narrower than acc (fp16 / bf16 into fp32) are
+    converted into buffers made here too, a's a block at a time: no converted
+    copy of a whole chunk's dlogits exists."""
+    rows = min(rows, acc.shape[0])
+    prod = np.empty((rows, acc.shape[1]), acc.dtype)
+    convert = np.dtype(dtype) != acc.dtype
+    a_acc = np.empty((rows, chunk), acc.dtype) if convert else None
+    b_acc = np.empty((chunk, acc.shape[1]), acc.dtype) if convert else None
+
+    def add(a, b):
+        k = b.shape[0]
+        if convert:
+            b_acc[:k] = b
+            b = b_acc[:k]
+        for r in range(0, acc.shape[0], rows):
+            m = min(rows, acc.shape[0] - r)
+            blk = a[r:r + m]
+            if convert:
+                a_acc[:m, :k] = blk
+                blk = a_acc[:m, :k]
+            np.matmul(blk, b, out=prod[:m])
+            acc[r:r + m] += prod[:m]
+    return add
 
 
 NUMPY = types.SimpleNamespace(
@@ -147,20 +178,22 @@ NUMPY = types.SimpleNamespace(
     cast=lambda x, dtype: x.astype(dtype, copy=False),
     empty=lambda shape, dtype, like: np.empty(shape, dtype),
     zeros=lambda shape, dtype, like: np.zeros(shape, dtype),
-    linear=_np_linear, mm=_np_mm, addmm_=_np_addmm_,
+    linear=_np_linear, mm=_np_mm, accumulator=_np_accumulator,
 )
 
 
 def fused_linear_cross_entropy(hidden, weight, target, bias=None, ignore_index: int = -100, reduction: str = "mean",
-                               chunk_size: int | None = None, **options):
+                               chunk_size: int | None = None, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                               softcap: float | None = None):
     """cross_entropy(hidden @ weight.T + bias, target) on numpy arrays
     (hidden [N, H], weight [V, H], target [N], bias [V] or None) without the
     [N, V] logits: returns (loss, grad_hidden, grad_weight, grad_bias), the
     gradients of the reduced loss (of the sum for reduction="none", as
     cross_entropy_with_grad), grad_bias None without a bias. The loss is
     float32, the gradients in the inputs' dtype. chunk_size: rows per chunk
-    (default: default_chunk_size). options go to cross_entropy_with_grad. Torch
-    tensors: tensor_ops.torch.fused_linear_cross_entropy (autograd)."""
+    (default: default_chunk_size). label_smoothing, z_loss and softcap as
+    cross_entropy's. Torch tensors: tensor_ops.torch.fused_linear_cross_entropy
+    (autograd)."""
     arrays = [hidden, weight, target] + ([] if bias is None else [bias])
     if not all(isinstance(a, np.ndarray) for a in arrays):
         raise DTypeError(f"fused_linear_cross_entropy takes numpy arrays (torch tensors: "
@@ -168,8 +201,10 @@ def fused_linear_cross_entropy(hidden, weight, target, bias=None, ignore_index: 
                          f"{', '.join(type(a).__name__ for a in arrays)}")
     ignore_index, reduction, chunk_size = check_args(hidden, weight, target, bias, ignore_index, reduction,
                                                      chunk_size)
+    label_smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, softcap)
     hidden, weight = np.ascontiguousarray(hidden), np.ascontiguousarray(weight)
-    losses, gh, gw, gb = chunked(NUMPY, hidden, weight, target, bias, ignore_index, chunk_size, True, **options)
+    losses, gh, gw, gb = chunked(NUMPY, hidden, weight, target, bias, ignore_index, chunk_size, True,
+                                 label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     loss, scale = reduce(losses, target, ignore_index, reduction)
     if scale != 1.0:
         gh *= scale

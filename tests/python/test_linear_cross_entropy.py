@@ -1,5 +1,7 @@
 """fused_linear_cross_entropy (numpy and torch) against float64 torch:
 F.linear then F.cross_entropy, autograd."""
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,9 @@ from tensor_ops import linear_cross_entropy as lce
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 tt = pytest.importorskip("tensor_ops.torch")
+from tensor_ops.torch import linear_cross_entropy as tlce  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 
 def _data(rng, n=37, h=16, v=50, bias=True, ignored=(3, 11)):
@@ -20,12 +25,20 @@ def _data(rng, n=37, h=16, v=50, bias=True, ignored=(3, 11)):
     return hidden, weight, target, b
 
 
-def _reference(hidden, weight, target, bias, reduction, dloss=None):
-    """float64 (loss, grad_hidden, grad_weight, grad_bias) of sum(loss * dloss)."""
+def _reference(hidden, weight, target, bias, reduction, dloss=None, label_smoothing=0.0, z_loss=0.0, softcap=None):
+    """float64 (loss, grad_hidden, grad_weight, grad_bias) of sum(loss * dloss):
+    F.linear then F.cross_entropy, with the cross-entropy options as torch
+    expressions (softcap on the logits first, z_loss * logsumexp^2 on rows that
+    count)."""
     h = torch.tensor(hidden, dtype=torch.float64, requires_grad=True)
     w = torch.tensor(weight, dtype=torch.float64, requires_grad=True)
     b = None if bias is None else torch.tensor(bias, dtype=torch.float64, requires_grad=True)
-    loss = F.cross_entropy(F.linear(h, w, b), torch.as_tensor(target), reduction=reduction)
+    t = torch.as_tensor(target)
+    z = F.linear(h, w, b)
+    z = softcap * torch.tanh(z / softcap) if softcap else z
+    rows = F.cross_entropy(z, t, reduction="none", label_smoothing=label_smoothing)
+    rows = rows + z_loss * torch.logsumexp(z, -1) ** 2 * (t != -100)
+    loss = {"none": rows, "sum": rows.sum(), "mean": rows.sum() / (t != -100).sum()}[reduction]
     g = torch.ones_like(loss) if dloss is None else torch.as_tensor(dloss, dtype=torch.float64)
     if h.shape[0]:
         (loss * g).sum().backward()
@@ -76,6 +89,36 @@ def test_numpy_matches_float64(rng, reduction, bias):
         _close(gb, want[3], "grad_bias")
     else:
         assert gb is None
+
+
+CE_OPTIONS = [dict(label_smoothing=0.1), dict(z_loss=1e-2), dict(softcap=2.0),
+              dict(label_smoothing=0.2, z_loss=1e-2, softcap=5.0)]
+
+
+@pytest.mark.parametrize("options", CE_OPTIONS, ids=["smooth", "zloss", "softcap", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_numpy_options_match_float64(rng, options, reduction):
+    hidden, weight, target, b = _data(rng)
+    loss, gh, gw, gb = tensor_ops.fused_linear_cross_entropy(hidden, weight, target, b, reduction=reduction,
+                                                              chunk_size=7, **options)
+    want = _reference(hidden, weight, target, b, reduction, **options)
+    for got, ref, what in zip([loss, gh, gw, gb], want, ["loss", "grad_hidden", "grad_weight", "grad_bias"]):
+        _close(got, ref, what)
+
+
+@pytest.mark.parametrize("options", CE_OPTIONS, ids=["smooth", "zloss", "softcap", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_torch_options_match_float64(rng, options, reduction):
+    hidden, weight, target, b = _data(rng)
+    ref_dloss = rng.standard_normal(len(target)) if reduction == "none" else 0.6
+    want = _reference(hidden, weight, target, b, reduction, ref_dloss, **options)
+    h, w, bb = (torch.tensor(a, requires_grad=True) for a in (hidden, weight, b))
+    module = tt.FusedLinearCrossEntropyLoss(reduction=reduction, chunk_size=8, **options)
+    loss = module(w, h, torch.as_tensor(target), bb)
+    (loss * torch.as_tensor(ref_dloss, dtype=torch.float32)).sum().backward()
+    for got, ref, what in zip([loss.detach(), h.grad, w.grad, bb.grad], want,
+                              ["loss", "grad_hidden", "grad_weight", "grad_bias"]):
+        _close(got, ref, what)
 
 
 def test_numpy_weight_gradient_blocks(rng):
@@ -159,6 +202,68 @@ def test_no_logits_larger_than_a_chunk(rng, monkeypatch):
     assert seen == [(8, 50)] * 4 + [(5, 50)]
 
 
+class _LargeAllocations(TorchDispatchMode):
+    """Records every aten op's output that is new memory (not an input's
+    storage) of at least nbytes."""
+
+    def __init__(self, nbytes):
+        super().__init__()
+        self.nbytes, self.seen = nbytes, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given
+                    and t.untyped_storage().nbytes() >= self.nbytes):
+                self.seen.append(f"{func}: {list(t.shape)} {t.dtype}")
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_torch_loop_allocates_one_chunk_block(rng, dtype, bias):
+    """The loop's only allocation of [chunk, V] size is the logits buffer:
+    the gradient overwrites it, and bf16's fp32 accumulation of grad_weight
+    converts dlogits a block of rows at a time (it made a [V, chunk] fp32
+    copy per chunk, twice the buffer). H < chunk / 2 keeps grad_weight
+    (fp32 [V, H]) under the threshold."""
+    n, h, v, chunk = 64, 4, 3000, 16
+    hidden, weight, target, b = _data(rng, n=n, h=h, v=v, bias=bias)
+    hidden, weight = torch.tensor(hidden, dtype=dtype), torch.tensor(weight, dtype=dtype)
+    b = None if b is None else torch.tensor(b, dtype=dtype)
+    mode = _LargeAllocations(chunk * v * hidden.element_size())
+    with mode:
+        losses, gh, gw, gb = lce.chunked(tlce.TORCH, hidden, weight, torch.as_tensor(target), b, -100, chunk, True)
+    assert len(mode.seen) == 1 and f"[{chunk}, {v}]" in mode.seen[0], mode.seen
+    want = _reference(hidden.double().numpy(), weight.double().numpy(), target, None if b is None else
+                      b.double().numpy(), "sum")
+    if dtype == torch.float32:
+        _close(gw, want[2], "grad_weight")
+        _close(gh, want[1], "grad_hidden")
+    else:  # fp32 accumulation of bf16 products: bf16 rounding of the chunks' dlogits only
+        _close(gw, want[2], "grad_weight", rtol=2e-2)
+
+
+def test_numpy_peak_is_gradients_and_one_chunk_block(rng):
+    """tracemalloc (numpy reports its buffers) over the numpy form: the peak
+    above the returned gradients is one [chunk, V] block plus the weight
+    accumulation's [ACC_ROWS, H] product buffer, not a second block for the
+    logits' gradient."""
+    n, h, v, chunk = 64, 4, 8000, 16
+    hidden, weight, target, b = _data(rng, n=n, h=h, v=v)
+    tensor_ops.fused_linear_cross_entropy(hidden, weight, target, b, chunk_size=chunk)  # first-call caches
+    tracemalloc.start()
+    try:
+        _, gh, gw, gb = tensor_ops.fused_linear_cross_entropy(hidden, weight, target, b, chunk_size=chunk)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    block = chunk * v * 4
+    extra = peak - gh.nbytes - gw.nbytes - gb.nbytes
+    assert block <= extra < block + lce.ACC_ROWS * h * 4 + 4 * v * 4, (extra, block)
+
+
 def test_no_gradient_work_without_grad(rng, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("gradients computed for a loss nobody differentiates")
@@ -231,12 +336,18 @@ def test_bad_arguments():
         tt.fused_linear_cross_entropy(h, w.double(), t)
     with pytest.raises(tensor_ops.InvalidArgumentError, match="reduction"):
         tt.fused_linear_cross_entropy(h, w, t, reduction="avg")
+    with pytest.raises(tensor_ops.InvalidArgumentError, match="softcap must be > 0"):
+        tt.fused_linear_cross_entropy(h, w, t, softcap=0.0)
+    with pytest.raises(tensor_ops.InvalidArgumentError, match="label_smoothing"):
+        tt.FusedLinearCrossEntropyLoss(label_smoothing=1.5)
     with pytest.raises(tensor_ops.InvalidArgumentError, match="chunk_size must be >= 1, got 0"):
         tt.FusedLinearCrossEntropyLoss(chunk_size=0)
     with pytest.raises(tensor_ops.ArgumentTypeError, match="chunk_size"):
         tt.fused_linear_cross_entropy(h, w, t, chunk_size=2.0)
     with pytest.raises(tensor_ops.DTypeError, match="numpy arrays"):
         tensor_ops.fused_linear_cross_entropy(h, w, t)
+    with pytest.raises(tensor_ops.InvalidArgumentError, match="z_loss must be >= 0, got -1.0"):  # before any chunk
+        tensor_ops.fused_linear_cross_entropy(h.numpy()[:0], w.numpy(), t.numpy()[:0], z_loss=-1.0)
     with pytest.raises(tensor_ops.InvalidArgumentError, match="no classes"):
         tensor_ops.fused_linear_cross_entropy(h.numpy(), np.zeros((0, 8), np.float32), t.numpy())
 

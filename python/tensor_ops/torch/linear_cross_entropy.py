@@ -13,9 +13,9 @@ the gradient of each row's loss depends on grad_output per row, which the
 forward cannot know: the forward computes the losses alone and the backward
 runs the loop again (one logits GEMM more) with the rows' dlogits scaled.
 
-Options of the cross-entropy beyond ignore_index (as cross_entropy_with_grad
-gains them: label smoothing, z-loss, softcapping) reach the loop through
-chunked's **options; the op takes each as one more schema argument.
+The cross-entropy's options beyond ignore_index (label_smoothing, z_loss,
+softcap, as tensor_ops.cross_entropy's) are schema arguments of both ops and
+reach the loop through chunked's **options.
 """
 from __future__ import annotations
 
@@ -37,8 +37,27 @@ def _linear(h_c, weight, bias, out):
         torch.addmm(bias, h_c, weight.t(), out=out)
 
 
-def _addmm_(acc, a, b):
-    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+def _accumulator(acc, dtype, chunk: int, rows: int = _lce.ACC_ROWS):
+    """add(a, b): acc [V, H] += a @ b for a [V, <= chunk] and b [<= chunk, H]
+    (a chunk's dlogits.T and hidden rows): one addmm_ into acc when the dtypes
+    agree. fp16 / bf16 into fp32 (torch's CPU addmm takes one dtype) go
+    through fp32 buffers made here, once: b whole, a a block of acc's rows at
+    a time, so no fp32 copy of a whole chunk's dlogits exists."""
+    if dtype == acc.dtype:
+        return acc.addmm_
+    rows = min(rows, acc.shape[0])
+    a_acc = acc.new_empty((rows, chunk))
+    b_acc = acc.new_empty((chunk, acc.shape[1]))
+
+    def add(a, b):
+        k = b.shape[0]
+        b_acc[:k].copy_(b)
+        for r in range(0, acc.shape[0], rows):
+            m = min(rows, acc.shape[0] - r)
+            blk = a_acc[:m, :k]
+            blk.copy_(a[r:r + m])
+            acc[r:r + m].addmm_(blk, b_acc[:k])
+    return add
 
 
 TORCH = types.SimpleNamespace(
@@ -49,7 +68,7 @@ TORCH = types.SimpleNamespace(
     zeros=lambda shape, dtype, like: torch.zeros(shape, dtype=dtype, device=like.device),
     linear=_linear,
     mm=lambda a, b, out: torch.mm(a, b, out=out),
-    addmm_=_addmm_,
+    accumulator=_accumulator,
 )
 
 
@@ -60,12 +79,14 @@ def _absent(hidden):
 
 @torch.library.custom_op("tensor_ops::fused_linear_cross_entropy", mutates_args=())
 def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
-             reduction: str, chunk_size: int, with_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+             reduction: str, chunk_size: int, with_grad: bool, label_smoothing: float, z_loss: float,
+             softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(float32 loss, grad_hidden, grad_weight, grad_bias) of the reduced loss;
     without with_grad the gradients are empty, and grad_bias is empty without
     a bias."""
     hidden, weight, target = hidden.contiguous(), weight.contiguous(), target.contiguous()
-    losses, gh, gw, gb = _lce.chunked(TORCH, hidden, weight, target, bias, ignore_index, chunk_size, with_grad)
+    losses, gh, gw, gb = _lce.chunked(TORCH, hidden, weight, target, bias, ignore_index, chunk_size, with_grad,
+                                      label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     loss, scale = _lce.reduce(losses, target, ignore_index, reduction)
     if not with_grad:
         return loss, _absent(hidden), _absent(hidden), _absent(hidden)
@@ -79,7 +100,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
 
 
 @_forward.register_fake
-def _(hidden, weight, target, bias, ignore_index, reduction, chunk_size, with_grad):
+def _(hidden, weight, target, bias, ignore_index, reduction, chunk_size, with_grad, label_smoothing, z_loss, softcap):
     loss = hidden.new_empty(hidden.shape[:1] if reduction == "none" else (), dtype=torch.float32)
     if not with_grad:
         return loss, _absent(hidden), _absent(hidden), _absent(hidden)
@@ -89,23 +110,25 @@ def _(hidden, weight, target, bias, ignore_index, reduction, chunk_size, with_gr
 
 @torch.library.custom_op("tensor_ops::fused_linear_cross_entropy_backward", mutates_args=())
 def _backward_rows(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
-                   ignore_index: int, chunk_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+                   ignore_index: int, chunk_size: int, label_smoothing: float, z_loss: float,
+                   softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) of sum(loss rows * dloss) for
     reduction "none": the loop again, each row's dlogits scaled by its dloss."""
     hidden, weight, target = hidden.contiguous(), weight.contiguous(), target.contiguous()
     _, gh, gw, gb = _lce.chunked(TORCH, hidden, weight, target, bias, ignore_index, chunk_size, True,
-                                 dloss_rows=dloss.contiguous())
+                                 dloss_rows=dloss.contiguous(), label_smoothing=label_smoothing, z_loss=z_loss,
+                                 softcap=softcap)
     return gh, gw.to(weight.dtype), _absent(hidden) if gb is None else gb.to(weight.dtype)
 
 
 @_backward_rows.register_fake
-def _(dloss, hidden, weight, target, bias, ignore_index, chunk_size):
+def _(dloss, hidden, weight, target, bias, ignore_index, chunk_size, label_smoothing, z_loss, softcap):
     gb = _absent(hidden) if bias is None else bias.new_empty(bias.shape)
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), gb
 
 
 def _setup(ctx, inputs, output):
-    hidden, weight, target, bias, ignore_index, reduction, chunk_size, with_grad = inputs
+    hidden, weight, target, bias, ignore_index, reduction, chunk_size, with_grad, *ctx.options = inputs
     _, gh, gw, gb = output
     ctx.mark_non_differentiable(gh, gw, gb)
     ctx.set_materialize_grads(False)  # else autograd fills zeros of gh, gw and gb for the backward to ignore
@@ -120,7 +143,8 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dloss, *_):
     if ctx.reduction == "none":
         hidden, weight, target, bias = ctx.saved_tensors
-        gh, gw, gb = _backward_rows(dloss, hidden, weight, target, bias, ctx.ignore_index, ctx.chunk_size)
+        gh, gw, gb = _backward_rows(dloss, hidden, weight, target, bias, ctx.ignore_index, ctx.chunk_size,
+                                    *ctx.options)
     else:
         # Scaled in place, as Liger does: a [V, H] copy would add a weight's
         # size to the peak. So the graph's gradients serve one backward only.
@@ -131,7 +155,7 @@ def _backward(ctx, dloss, *_):
         gh, gw, gb = ctx.saved_tensors
         g = dloss.to(gh.dtype)
         gh, gw, gb = gh.mul_(g), gw.mul_(g), gb.mul_(g)
-    return gh, gw, None, (gb if ctx.has_bias else None), None, None, None, None
+    return gh, gw, None, (gb if ctx.has_bias else None), None, None, None, None, None, None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup)
@@ -139,19 +163,23 @@ _forward.register_autograd(_backward, setup_context=_setup)
 
 def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
                                ignore_index: int = -100, reduction: str = "mean",
-                               chunk_size: Optional[int] = None) -> Tensor:
+                               chunk_size: Optional[int] = None, *, label_smoothing: float = 0.0,
+                               z_loss: float = 0.0, softcap: Optional[float] = None) -> Tensor:
     """cross_entropy(hidden @ weight.T + bias, target) (float32), differentiable
     with respect to hidden, weight and bias, without the [N, V] logits:
     hidden [..., H] (leading dims flattened), weight [V, H], target [...],
     bias [V] or None. chunk_size: rows per chunk (default
-    tensor_ops.linear_cross_entropy.default_chunk_size)."""
+    tensor_ops.linear_cross_entropy.default_chunk_size). label_smoothing,
+    z_loss and softcap as tensor_ops.cross_entropy's."""
     hidden2, target1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     ignore_index, reduction, chunk_size = _lce.check_args(hidden2, weight, target1, bias, ignore_index, reduction,
                                                           chunk_size)
+    label_smoothing, z_loss, softcap = _lce.check_ce_options(label_smoothing, z_loss, softcap)
     # Gradients only when something will take them; "none" computes them in the backward.
     with_grad = reduction != "none" and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
-    loss = _forward(hidden2, weight, target1, bias, ignore_index, reduction, chunk_size, with_grad)[0]
+    loss = _forward(hidden2, weight, target1, bias, ignore_index, reduction, chunk_size, with_grad,
+                    label_smoothing, z_loss, softcap)[0]
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -159,17 +187,21 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     """The loss of a language-model head, Liger's LigerFusedLinearCrossEntropyLoss
     calling convention: forward(lin_weight, _input, target, bias=None)."""
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", chunk_size: Optional[int] = None):
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", chunk_size: Optional[int] = None, *,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None):
         super().__init__()
         ignore_index, reduction, chunk_size = _lce.check_options(ignore_index, reduction, chunk_size)
         self.ignore_index, self.reduction, self.chunk_size = ignore_index, reduction, chunk_size
+        self.label_smoothing, self.z_loss, self.softcap = _lce.check_ce_options(label_smoothing, z_loss, softcap)
 
     def forward(self, lin_weight: Tensor, _input: Tensor, target: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         return fused_linear_cross_entropy(_input, lin_weight, target, bias, self.ignore_index, self.reduction,
-                                          self.chunk_size)
+                                          self.chunk_size, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                                          softcap=self.softcap)
 
     def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, chunk_size={self.chunk_size}"
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, chunk_size={self.chunk_size}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")
 
 
 __all__ = ["FusedLinearCrossEntropyLoss", "fused_linear_cross_entropy"]
