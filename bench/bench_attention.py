@@ -3,7 +3,7 @@ scaled_dot_product_attention (eager, and torch.compile of it), forward and
 forward + backward, prefill and decode shapes, causal and not, float32 and
 bfloat16.
 
-    python bench/bench_attention.py [--reps R] [--quick] [--threads 1,2] [--gap-ms G]
+    python bench/bench_attention.py [--reps R] [--quick] [--threads 1,2] [--gap-ms G] [--only decode]
 
 Both sides get the same tensors and the same thread count (torch's intra-op
 threads = tensor_ops' CPU threads). Implementations alternate round-robin
@@ -132,6 +132,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--gap-ms", type=float, default=20)
+    ap.add_argument("--only", choices=["prefill", "decode"],
+                    help="only these cases (printed; bench/RESULTS.md is not rewritten)")
     args = ap.parse_args()
     reps = 3 if args.quick else args.reps
     rows = []
@@ -140,7 +142,8 @@ def main():
         tensor_ops._C.cpu_set_num_threads(threads)
         peak = gemm_peak(threads)
         print(f"threads {threads}: GEMM peak (torch.mm float32 2048^3) {peak:.1f} GFLOP/s")
-        for case in CASES[:1] if args.quick else CASES:
+        cases = CASES[:1] if args.quick else CASES
+        for case in [c for c in cases if args.only in (None, c[0])]:
             for dtype in ([torch.float32] if args.quick else [torch.float32, torch.bfloat16]):
                 for causal in ([True] if case[0] == "decode" else [True, False]):
                     for backward in ([False] if case[0] == "decode" else [False, True]):
@@ -154,7 +157,7 @@ def main():
                               f"{r['pct_peak']:.0f}% of peak", flush=True)
     OUT.mkdir(exist_ok=True)
     (OUT / "attention.json").write_text(json.dumps(rows, indent=1))
-    if args.quick:
+    if args.quick or args.only:
         return
     lines = [f"Machine: {machine()}", "",
              "Ratios are torch's median / ours (> 1: tensor_ops faster), same tensors and thread count, "
