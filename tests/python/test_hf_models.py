@@ -656,6 +656,32 @@ def test_rope_left_as_hf_is_said(rope_calls):
     assert rel(got, ref) < 1e-5
 
 
+def test_decorated_forward_keeps_hf_rope_and_says_why(rope_calls):
+    """A transformers forward wrapped by a decorator (functools.wraps) cannot
+    be rebuilt without losing the decorator: HF's RoPE stays, and the warning
+    names the class and the reason, once for all its layers."""
+    import functools
+
+    ml = modeling_of("llama")
+
+    @functools.wraps(ml.LlamaAttention.forward)
+    def forward(self, *args, **kwargs):
+        return ml.LlamaAttention.forward(self, *args, **kwargs)
+
+    decorated = type("LlamaAttention", (ml.LlamaAttention,), {"forward": forward, "__module__": ml.__name__})
+    model = build("llama")
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = decorated
+    model, result = prepared(model)
+    why = [w for w in result.warnings if "wrapped by a decorator" in w]
+    assert len(why) == 1 and "LlamaAttention" in why[0] and "RoPE left as HF's" in why[0], result.warnings
+    assert all(type(m) is decorated for m in attention_modules(model))
+    rope_calls["wrap"](ml)
+    with torch.no_grad():
+        model(ids())
+    assert rope_calls["ours"] == 0 and rope_calls["hf"] == len(attention_modules(model))
+
+
 def test_class_patch_rope_is_process_wide_until_revert(rope_calls):
     """The Liger-style patch before loading is process-wide by design: it
     replaces the family's function, so even a model built before it runs our

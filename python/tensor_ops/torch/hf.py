@@ -508,7 +508,10 @@ def _rebuilt(fn: types.FunctionType, scope: dict) -> types.FunctionType:
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__dict__.update(fn.__dict__)
     new.__module__, new.__qualname__, new.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
-    new.__annotations__ = dict(getattr(fn, "__annotations__", None) or {})
+    if getattr(fn, "__annotate__", None) is not None:  # Python 3.14: kept lazy (evaluating may need TYPE_CHECKING names)
+        new.__annotate__ = fn.__annotate__
+    else:
+        new.__annotations__ = dict(fn.__annotations__)
     new._tensor_ops_rope_from = fn
     return new
 
@@ -556,13 +559,16 @@ def _rope_methods(cls: type) -> Dict[str, Any]:
                 continue
             seen.add(name)
             fn = attr.__func__ if isinstance(attr, staticmethod) else attr
-            if (not klass.__module__.startswith("transformers.") or not isinstance(fn, types.FunctionType)
-                    or _ROPE not in fn.__globals__):
+            if not klass.__module__.startswith("transformers.") or not isinstance(fn, types.FunctionType):
                 continue
-            if _rope_scope(fn.__globals__)[1] & _code_names(inspect.unwrap(fn).__code__):
-                if inspect.unwrap(fn) is not fn:
-                    raise ValueError(f"{klass.__name__}.{name} is wrapped by a decorator ({fn!r}), so its "
-                                     f"{_ROPE} cannot be rebound without losing the decorator")
+            inner = inspect.unwrap(fn)
+            if not isinstance(inner, types.FunctionType) or _ROPE not in inner.__globals__:
+                continue
+            if _rope_scope(inner.__globals__)[1] & _code_names(inner.__code__):
+                if inner is not fn:
+                    raise ValueError(f"{klass.__name__}.{name} is wrapped by a decorator ({fn.__module__}."
+                                     f"{fn.__qualname__}), so its {_ROPE} cannot be rebound without losing "
+                                     f"the decorator")
                 found[name] = attr
     return found
 
@@ -609,26 +615,22 @@ def _rope_class(cls: type) -> Optional[type]:
 def scope_rope(model: nn.Module, warnings: List[str], counts) -> None:
     """Our RoPE for this model's modules only (Note [RoPE per model]): every
     other model in the process, of the same family or not, keeps HF's."""
-    reached: set = set()
+    reached: set = set()  # modules of the classes (and their bases) whose RoPE was dealt with
     warned: set = set()
     for path, m in model.named_modules():
         cls = type(m)
-        if getattr(cls, "_tensor_ops_rope_from", None) is not None:  # prepared before
-            reached.add(cls.__module__)
-            counts[f"RoPE: {cls.__name__} -> tensor_ops rope (this model only)"] += 1
-            continue
         try:
-            sub = _rope_class(cls)
+            sub = cls if getattr(cls, "_tensor_ops_rope_from", None) is not None else _rope_class(cls)
         except ValueError as e:
             if cls not in warned:  # once per class, not per layer
                 warned.add(cls)
                 warnings.append(f"{path or 'the model'} ({cls.__name__}) and any other {cls.__name__}: RoPE left "
                                 f"as HF's: {e}")
-            reached.add(cls.__module__)
+            reached.update(c.__module__ for c in cls.__mro__)
             continue
-        if sub is not None:
+        if sub is not None:  # sub is cls: scoped by an earlier prepare
             m.__class__ = sub
-            reached.add(cls.__module__)
+            reached.update(c.__module__ for c in cls.__mro__)
             counts[f"RoPE: {cls.__name__} -> tensor_ops rope (this model only)"] += 1
     for modeling in _modeling_modules(model):
         if getattr(modeling, _ROPE, None) is not None and modeling.__name__ not in reached:
