@@ -508,7 +508,7 @@ def _rebuilt(fn: types.FunctionType, scope: dict) -> types.FunctionType:
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__dict__.update(fn.__dict__)
     new.__module__, new.__qualname__, new.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
-    if getattr(fn, "__annotate__", None) is not None:  # Python 3.14: kept lazy (evaluating may need TYPE_CHECKING names)
+    if getattr(fn, "__annotate__", None) is not None:  # Python 3.14: lazy, kept so (may need TYPE_CHECKING names)
         new.__annotate__ = fn.__annotate__
     else:
         new.__annotations__ = dict(fn.__annotations__)
