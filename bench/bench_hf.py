@@ -204,26 +204,11 @@ def build_pair(family, args, dtype):
     return {"original": original, "prepared": prepared}, result
 
 
-def own_rope(which: str, model, fn):
-    """fn, run with the RoPE its model has: prepare_model replaces the
-    family's apply_rotary_pos_emb process-wide, so the original must have
-    HF's own put back for each of its calls (and the prepared one ours)."""
-    from tensor_ops.torch import hf
-
-    modeling = hf._modeling_modules(model)
-    put = hf.patch_rope if which == "prepared" else hf.unpatch_rope
-
-    def call():
-        for m in modeling:
-            put(m)
-        return fn()
-
-    return call
-
-
 def paired(models: dict, make) -> dict:
-    """{which: make(which, model)} with each function run under its model's RoPE."""
-    return {k: own_rope(k, m, make(k, m)) for k, m in models.items()}
+    """{which: make(which, model)}. (Each model runs its own RoPE by itself:
+    prepare_model's RoPE is the prepared model's only, so the original runs
+    HF's without any help.)"""
+    return {k: make(k, m) for k, m in models.items()}
 
 
 def bench_family(family, args, dtype, threads, reps: int, train: bool, rss: bool):

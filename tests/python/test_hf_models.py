@@ -31,16 +31,27 @@ def one_thread():
     torch.set_num_threads(torch_threads)
     _C.cpu_set_num_threads(kernel_threads)
 
-@pytest.fixture(autouse=True)
-def original_rope():
-    """Each test starts with HF's own apply_rotary_pos_emb (prepare_model
-    patches it process-wide), so that every reference model runs HF's RoPE."""
+
+def patched_rope_modules():
+    """transformers modeling modules whose apply_rotary_pos_emb is ours (process-wide)."""
     import sys
 
-    for name, module in list(sys.modules.items()):
-        if name.startswith("transformers.models.") and module is not None:
-            hf.unpatch_rope(module)
+    return [module for name, module in sorted(sys.modules.items())
+            if name.startswith("transformers.models.") and module is not None
+            and hasattr(getattr(module, "apply_rotary_pos_emb", None), "_tensor_ops_original")]
+
+
+@pytest.fixture(autouse=True)
+def no_process_wide_rope_left():
+    """No test may leave a family's apply_rotary_pos_emb replaced: prepare_model
+    never replaces it (its RoPE is per model), and the class-patch tests revert
+    theirs. A leak fails the test that leaked (then is undone, so that only
+    that test fails) instead of being undone silently."""
     yield
+    leaked = patched_rope_modules()
+    for module in leaked:
+        hf.unpatch_rope(module)
+    assert not leaked, f"apply_rotary_pos_emb left replaced process-wide in {[m.__name__ for m in leaked]}"
 
 
 VOCAB = 128
@@ -480,3 +491,218 @@ def test_conv1d_epilogue_weight_gradient_in_the_weights_layout():
     torch.testing.assert_close(y, ref)
     for got, want in ((x.grad, x2.grad), (w.grad, w2.grad), (b.grad, b2.grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- RoPE per model (issue 24: nothing silently different): prepare_model gives ITS model our RoPE, no other
+
+def modeling_of(family):
+    import importlib
+
+    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+
+def attention_modules(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config")]
+
+
+@pytest.fixture
+def rope_calls(monkeypatch):
+    """Counts calls of our RoPE (hf._rope_one, once for q and once for k) and
+    of the family's module-level apply_rotary_pos_emb (HF's, wrapped here for
+    the test): {"ours": n, "hf": n}."""
+    calls = {"ours": 0, "hf": 0}
+    one = hf._rope_one
+
+    def counted_one(*args):
+        calls["ours"] += 1
+        return one(*args)
+
+    monkeypatch.setattr(hf, "_rope_one", counted_one)
+
+    def wrap(modeling):
+        original = modeling.apply_rotary_pos_emb
+
+        def counted(*args, **kwargs):
+            calls["hf"] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", counted)
+
+    calls["wrap"] = wrap
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "phi3"])
+def test_prepare_model_rope_is_that_models_only(family, rope_calls):
+    """Two models of a family, one prepared: the other still calls HF's
+    module-level apply_rotary_pos_emb and its logits are bitwise its own from
+    before the prepare; the prepared one calls ours, never HF's (on main
+    prepare_model replaced the family's function for the whole process)."""
+    modeling = modeling_of(family)
+    hf_rope = modeling.apply_rotary_pos_emb
+    x = ids()
+    other = build(family)
+    with torch.no_grad():
+        before = other(x).logits
+    model, result = prepared(build(family))
+    assert modeling.apply_rotary_pos_emb is hf_rope  # the family's function is HF's, untouched
+    assert not any("process-wide" in a for a in result.optimizations_applied), result.optimizations_applied
+    assert any("RoPE" in a and "this model only" in a for a in result.optimizations_applied)
+    layers = len(attention_modules(model))
+    hf_classes = {type(m) for m in attention_modules(other)}
+    assert all(c.__module__ == modeling.__name__ for c in hf_classes)  # HF's own classes
+    for m in attention_modules(model):  # ours: a same-named subclass of HF's
+        assert type(m) not in hf_classes and isinstance(m, tuple(hf_classes))
+        assert type(m).__name__ in {c.__name__ for c in hf_classes}
+    rope_calls["wrap"](modeling)
+    with torch.no_grad():
+        got = model(x).logits
+    assert (rope_calls["ours"], rope_calls["hf"]) == (2 * layers, 0)
+    with torch.no_grad():
+        after = other(x).logits
+        fresh = build(family)(x).logits
+    assert (rope_calls["ours"], rope_calls["hf"]) == (2 * layers, 2 * layers)  # other + fresh: HF's, once a layer
+    assert torch.equal(after, before) and torch.equal(fresh, before)
+    assert rel(got, before) < 1e-5
+
+
+def test_prepare_model_rope_survives_deepcopy_and_pickle(tmp_path, rope_calls):
+    """copy.deepcopy, pickle and torch.save of a prepared model keep our RoPE
+    (the same-named subclass pickles as HF's class and is made ours on load),
+    in this process and in a fresh one."""
+    import pickle
+    import subprocess
+    import sys
+
+    model = prepared(build("llama"))[0]
+    x = ids()
+    with torch.no_grad():
+        ref = model(x).logits
+    n = rope_calls["ours"]
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert [type(m) for m in attention_modules(clone)] == [type(m) for m in attention_modules(model)]
+        rope_calls["ours"] = 0
+        with torch.no_grad():
+            assert torch.equal(clone(x).logits, ref)
+        assert rope_calls["ours"] == n
+    torch.save({"model": model, "x": x, "ref": ref}, tmp_path / "m.pt")
+    # The fresh process registers the "tensor_ops" attention name first (the pickle does not carry it).
+    code = ("import sys, torch\nimport tensor_ops.torch.hf as hf\nhf.register_attention()\n"
+            f"d = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
+            "att = [m for m in d['model'].modules() if type(m).__name__ == 'LlamaAttention']\n"
+            "assert att and all(getattr(type(m), '_tensor_ops_rope_from', None) for m in att), att\n"
+            "import transformers.models.llama.modeling_llama as ml\n"
+            "assert not hasattr(ml.apply_rotary_pos_emb, '_tensor_ops_original')\n"
+            "with torch.no_grad():\n    assert torch.equal(d['model'](d['x']).logits, d['ref'])\n"
+            "print('LOADED-OK')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "LOADED-OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_compile_traces_our_rope_for_the_prepared_model_only():
+    """torch.compile(fullgraph=True): the prepared model's one graph has our
+    rope op (q and k per layer) and is reused on the next call (no guard on
+    HF's module function failing); an unprepared model's graph has none."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def rope_nodes(gm):
+        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and "rope" in str(n.target))
+
+    other = build("llama")
+    model = prepared(build("llama"))[0]
+    x = ids()
+    with torch.no_grad():
+        ref = model(x).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        for _ in range(2):
+            assert torch.equal(compiled(x).logits, ref)
+        assert len(graphs) == 1 and rope_nodes(graphs[0]) == 2 * len(attention_modules(model))
+        torch._dynamo.reset()
+        torch.compile(other, fullgraph=True, backend=backend)(x)
+        assert len(graphs) == 2 and rope_nodes(graphs[1]) == 0
+
+
+from transformers.models.llama.modeling_llama import LlamaAttention  # noqa: E402
+
+
+class OwnForwardAttention(LlamaAttention):
+    """A user's subclass whose forward is its own (here: HF's through super())."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def test_rope_left_as_hf_is_said(rope_calls):
+    """A module whose forward is not a transformers function keeps HF's RoPE
+    (its class is not replaced), and the warnings say so."""
+    model = build("llama")
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = OwnForwardAttention
+    x = ids()
+    with torch.no_grad():
+        ref = model(x).logits
+    model, result = prepared(model)
+    assert all(type(m) is OwnForwardAttention for m in attention_modules(model))
+    assert any("RoPE left as HF's" in w and "modeling_llama" in w for w in result.warnings), result.warnings
+    rope_calls["wrap"](modeling_of("llama"))
+    with torch.no_grad():
+        got = model(x).logits
+    assert rope_calls["ours"] == 0 and rope_calls["hf"] == len(attention_modules(model))
+    assert rel(got, ref) < 1e-5
+
+
+def test_decorated_forward_keeps_hf_rope_and_says_why(rope_calls):
+    """A transformers forward wrapped by a decorator (functools.wraps) cannot
+    be rebuilt without losing the decorator: HF's RoPE stays, and the warning
+    names the class and the reason, once for all its layers."""
+    import functools
+
+    ml = modeling_of("llama")
+
+    @functools.wraps(ml.LlamaAttention.forward)
+    def forward(self, *args, **kwargs):
+        return ml.LlamaAttention.forward(self, *args, **kwargs)
+
+    decorated = type("LlamaAttention", (ml.LlamaAttention,), {"forward": forward, "__module__": ml.__name__})
+    model = build("llama")
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = decorated
+    model, result = prepared(model)
+    why = [w for w in result.warnings if "wrapped by a decorator" in w]
+    assert len(why) == 1 and "LlamaAttention" in why[0] and "RoPE left as HF's" in why[0], result.warnings
+    assert all(type(m) is decorated for m in attention_modules(model))
+    rope_calls["wrap"](ml)
+    with torch.no_grad():
+        model(ids())
+    assert rope_calls["ours"] == 0 and rope_calls["hf"] == len(attention_modules(model))
+
+
+def test_class_patch_rope_is_process_wide_until_revert(rope_calls):
+    """The Liger-style patch before loading is process-wide by design: it
+    replaces the family's function, so even a model built before it runs our
+    RoPE; revert_tensor_ops_kernel gives HF's back (a prepared model keeps its own)."""
+    x = ids()
+    before = build("llama")
+    mine = prepared(build("llama"))[0]
+    with torch.no_grad():
+        ref = before(x).logits
+    layers = len(attention_modules(before))
+    hf.apply_tensor_ops_kernel_to_llama(rms_norm=False, swiglu=False, fused_linear_cross_entropy=False)
+    try:
+        assert hasattr(modeling_of("llama").apply_rotary_pos_emb, "_tensor_ops_original")
+        with torch.no_grad():
+            got = before(x).logits
+        assert rope_calls["ours"] == 2 * layers and rel(got, ref) < 1e-5
+    finally:
+        hf.revert_tensor_ops_kernel("llama")
+    assert not hasattr(modeling_of("llama").apply_rotary_pos_emb, "_tensor_ops_original")
+    rope_calls["ours"] = 0
+    with torch.no_grad():
+        assert torch.equal(before(x).logits, ref)
+        mine(x)
+    assert rope_calls["ours"] == 2 * layers  # the prepared model's only

@@ -23,9 +23,13 @@ What runs where:
   standalone activations run our silu / gelu (erf or tanh, as the module's own
   approximation: NewGELU / FastGELU / GELUTanh are the tanh form, GELUActivation
   the erf form).
-- RoPE: the family's module-level apply_rotary_pos_emb is replaced by ours
-  (process-wide, as Liger does: HF's attention modules look it up at call
-  time); partial rotary (GPT-NeoX, Phi-3) passes the tail dims through.
+- RoPE: on a loaded model, that model's attention modules call ours instead
+  of the family's module-level apply_rotary_pos_emb (their class becomes a
+  same-named subclass whose forward reads a copy of the module's globals,
+  Note [RoPE per model]); every other model in the process keeps HF's. The
+  class patch before loading replaces the module-level function itself,
+  process-wide, as Liger does (until revert_tensor_ops_kernel). Partial
+  rotary (GPT-NeoX, Phi-3) passes the tail dims through.
 - attention: registered as "tensor_ops" in transformers' AttentionInterface
   (masks built by HF's own sdpa mask function), and the model's
   config._attn_implementation set to it, so KV caches, padding and sliding
@@ -43,6 +47,7 @@ What runs where:
 from __future__ import annotations
 
 import collections
+import copyreg
 import functools
 import importlib
 import inspect
@@ -448,20 +453,190 @@ def _rope_function(original: Callable) -> Callable:
 
 
 def patch_rope(modeling: types.ModuleType) -> bool:
-    """Replaces modeling.apply_rotary_pos_emb by ours (process-wide); False
-    when the module has none. Idempotent."""
-    fn = getattr(modeling, "apply_rotary_pos_emb", None)
+    """Replaces modeling.apply_rotary_pos_emb by ours PROCESS-WIDE: every
+    model of that family in this process, prepared or not, runs our RoPE
+    until unpatch_rope(modeling). Only the Liger-style class patch before
+    loading (apply_tensor_ops_kernel without model=) does this, as Liger
+    does; prepare_model scopes RoPE to the model's own modules (scope_rope).
+    False when the module has none. Idempotent."""
+    fn = getattr(modeling, _ROPE, None)
     if fn is None:
         return False
     if not hasattr(fn, "_tensor_ops_original"):
-        modeling.apply_rotary_pos_emb = _rope_function(fn)
+        setattr(modeling, _ROPE, _rope_function(fn))
     return True
 
 
 def unpatch_rope(modeling: types.ModuleType) -> None:
-    fn = getattr(modeling, "apply_rotary_pos_emb", None)
+    """Undoes patch_rope(modeling): HF's own apply_rotary_pos_emb back."""
+    fn = getattr(modeling, _ROPE, None)
     if fn is not None and hasattr(fn, "_tensor_ops_original"):
-        modeling.apply_rotary_pos_emb = fn._tensor_ops_original
+        setattr(modeling, _ROPE, fn._tensor_ops_original)
+
+
+# Note [RoPE per model]: HF's attention forwards call apply_rotary_pos_emb as a global of their
+# modeling module, looked up at call time. To give one model our RoPE without touching the module
+# (which every other model of the family shares), each module of the model whose class reaches that
+# global gets a subclass of its class (same name, qualname and module: isinstance, class-name based
+# device maps and _no_split_modules keep working) whose methods are HF's own code objects rebuilt on a
+# copy of the modeling module's globals where apply_rotary_pos_emb is ours ("the scope"). Module-level
+# functions that reach it (directly or through another such function) are rebuilt on the scope too.
+# The scope is a snapshot taken the first time a model of that module is prepared: rebinding a
+# module-level name afterwards does not reach prepared models. It has no __name__, on purpose:
+# for an inlined function's globals, dynamo (get_globals_source_and_value) builds its guard sources
+# on sys.modules[__name__] when __name__ is set, that is on HF's module, whose apply_rotary_pos_emb
+# is not the one traced; without __name__ its sources are this dict itself. (The functions keep
+# their own __module__.)
+
+_ROPE = "apply_rotary_pos_emb"
+_ROPE_SCOPES: Dict[int, tuple] = {}  # id(modeling globals; alive in sys.modules) -> (scope, names reaching RoPE)
+_ROPE_CLASSES: Dict[type, Optional[type]] = {}  # class -> its subclass with RoPE scoped, None when it has no RoPE
+
+
+def _code_names(code: types.CodeType) -> set:
+    """The global / attribute names code and the functions nested in it read."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _code_names(c)
+    return names
+
+
+def _rebuilt(fn: types.FunctionType, scope: dict) -> types.FunctionType:
+    """fn's code, defaults and closure on the globals scope (its name, module, qualname, doc and attributes kept)."""
+    new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__module__, new.__qualname__, new.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
+    if getattr(fn, "__annotate__", None) is not None:  # Python 3.14: lazy, kept so (may need TYPE_CHECKING names)
+        new.__annotate__ = fn.__annotate__
+    else:
+        new.__annotations__ = dict(fn.__annotations__)
+    new._tensor_ops_rope_from = fn
+    return new
+
+
+def _rope_scope(module_globals: dict) -> tuple:
+    """(scope, names), cached per module: the scope of Note [RoPE per model]
+    for a modeling module's globals, and the names in it that reach
+    apply_rotary_pos_emb."""
+    cached = _ROPE_SCOPES.get(id(module_globals))
+    if cached is not None:
+        return cached
+    names = {_ROPE}
+    funcs = {n: f for n, f in module_globals.items()
+             if isinstance(f, types.FunctionType) and f.__globals__ is module_globals and n != _ROPE}
+    grew = True
+    while grew:  # helpers that call helpers that call apply_rotary_pos_emb
+        grew = False
+        for n, f in funcs.items():
+            if n not in names and _code_names(f.__code__) & names:
+                names.add(n)
+                grew = True
+    scope = {k: v for k, v in module_globals.items() if k != "__name__"}
+    original = module_globals[_ROPE]
+    scope[_ROPE] = _rope_function(getattr(original, "_tensor_ops_original", original))
+    for n in names - {_ROPE}:
+        scope[n] = _rebuilt(funcs[n], scope)
+    _ROPE_SCOPES[id(module_globals)] = (scope, frozenset(names))
+    return _ROPE_SCOPES[id(module_globals)]
+
+
+def _rope_methods(cls: type) -> Dict[str, Any]:
+    """{name: HF's function} for the methods cls resolves to a transformers
+    class's function (through its MRO, up to nn.Module) whose code reaches a
+    module-level apply_rotary_pos_emb; empty when none does (a method that a
+    class of another package overrides is that package's: left alone). A
+    method wrapped by a decorator (functools.wraps) raises ValueError: its
+    inner code cannot be rebuilt without the decorator."""
+    found: Dict[str, Any] = {}
+    seen: set = set()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            break
+        for name, attr in vars(klass).items():
+            if name in seen or name.startswith("__"):
+                continue
+            seen.add(name)
+            fn = attr.__func__ if isinstance(attr, staticmethod) else attr
+            if not klass.__module__.startswith("transformers.") or not isinstance(fn, types.FunctionType):
+                continue
+            inner = inspect.unwrap(fn)
+            if not isinstance(inner, types.FunctionType) or _ROPE not in inner.__globals__:
+                continue
+            if _rope_scope(inner.__globals__)[1] & _code_names(inner.__code__):
+                if inner is not fn:
+                    raise ValueError(f"{klass.__name__}.{name} is wrapped by a decorator ({fn.__module__}."
+                                     f"{fn.__qualname__}), so its {_ROPE} cannot be rebound without losing "
+                                     f"the decorator")
+                found[name] = attr
+    return found
+
+
+def _rope_instance(cls: type, *args):
+    """Unpickling a module of _rope_class(cls): an instance of cls whose class is then the subclass again."""
+    obj = cls.__new__(cls, *args)
+    obj.__class__ = _rope_class(cls)
+    return obj
+
+
+def _rope_reduce_ex(self, protocol):
+    # The subclass shares HF's class name, so pickle would find HF's class by name and refuse ("not the
+    # same object"): pickled as HF's class, made ours again on load. copy.deepcopy goes this way too.
+    rv = object.__reduce_ex__(self, protocol)
+    cls = type(self)
+    if (isinstance(rv, tuple) and rv[0] is copyreg.__newobj__ and rv[1][0] is cls
+            and _ROPE_CLASSES.get(cls._tensor_ops_rope_from) is cls):
+        return (_rope_instance, (cls._tensor_ops_rope_from, *rv[1][1:]), *rv[2:])
+    return rv
+
+
+def _rope_class(cls: type) -> Optional[type]:
+    """cls's subclass with RoPE scoped (cached per class), or None when no
+    method of cls reaches apply_rotary_pos_emb; ValueError as _rope_methods."""
+    if cls in _ROPE_CLASSES:
+        return _ROPE_CLASSES[cls]
+    sub = None
+    methods = _rope_methods(cls)
+    if methods:
+        body = {}
+        for name, attr in methods.items():
+            if isinstance(attr, staticmethod):
+                body[name] = staticmethod(_rebuilt(attr.__func__, _rope_scope(attr.__func__.__globals__)[0]))
+            else:
+                body[name] = _rebuilt(attr, _rope_scope(attr.__globals__)[0])
+        body.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__,
+                    _tensor_ops_rope_from=cls, __reduce_ex__=_rope_reduce_ex)
+        sub = type(cls.__name__, (cls,), body)
+    _ROPE_CLASSES[cls] = sub
+    return sub
+
+
+def scope_rope(model: nn.Module, warnings: List[str], counts) -> None:
+    """Our RoPE for this model's modules only (Note [RoPE per model]): every
+    other model in the process, of the same family or not, keeps HF's."""
+    reached: set = set()  # modules of the classes (and their bases) whose RoPE was dealt with
+    warned: set = set()
+    for path, m in model.named_modules():
+        cls = type(m)
+        try:
+            sub = cls if getattr(cls, "_tensor_ops_rope_from", None) is not None else _rope_class(cls)
+        except ValueError as e:
+            if cls not in warned:  # once per class, not per layer
+                warned.add(cls)
+                warnings.append(f"{path or 'the model'} ({cls.__name__}) and any other {cls.__name__}: RoPE left "
+                                f"as HF's: {e}")
+            reached.update(c.__module__ for c in cls.__mro__)
+            continue
+        if sub is not None:  # sub is cls: scoped by an earlier prepare
+            m.__class__ = sub
+            reached.update(c.__module__ for c in cls.__mro__)
+            counts[f"RoPE: {cls.__name__} -> tensor_ops rope (this model only)"] += 1
+    for modeling in _modeling_modules(model):
+        if getattr(modeling, _ROPE, None) is not None and modeling.__name__ not in reached:
+            warnings.append(f"RoPE left as HF's: {modeling.__name__}.{_ROPE} is not called from any transformers "
+                            f"method of this model's modules (a class overriding HF's forward, or reached some "
+                            f"other way)")
 
 
 def _modeling_modules(model: nn.Module) -> List[types.ModuleType]:
@@ -593,9 +768,7 @@ def prepare_hf_model(model: nn.Module, warnings: List[str], counts: collections.
     swap_hf_modules(model, warnings, counts, rms_norm=rms_norm, swiglu=swiglu, activations=activations,
                     fuse_linear=fuse_linear)
     if rope:
-        for modeling in _modeling_modules(model):
-            if patch_rope(modeling):
-                counts[f"RoPE: {modeling.__name__}.apply_rotary_pos_emb -> tensor_ops rope (process-wide)"] += 1
+        scope_rope(model, warnings, counts)
     if attention:
         _set_attention(model, warnings, counts)
     _patch_loss(model, _loss_mode(cross_entropy, fused_linear_cross_entropy), warnings, counts)
@@ -653,8 +826,13 @@ def apply_tensor_ops_kernel(model_type: str, *, rope: bool = True, rms_norm: boo
     Without model: patches transformers.models.<family>'s classes (and its
     causal-LM forward) so models built afterwards run on our kernels; pass
     attn_implementation="tensor_ops" when loading (AutoTensorOpsKernelForCausalLM
-    does), the name is registered here. With model (already loaded): the same
-    on that model in place (attention set too). Returns the warnings."""
+    does), the name is registered here. With rope, that patch replaces the
+    family's module-level apply_rotary_pos_emb PROCESS-WIDE, as Liger's does:
+    every model of the family in this process, already built or not, runs
+    our RoPE until revert_tensor_ops_kernel(model_type).
+    With model (already loaded): the same on that model in place (attention
+    set too), RoPE for that model's modules only (as prepare_model).
+    Returns the warnings."""
     if model_type not in FAMILIES:
         raise ValueError(f"unknown model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
     mod, norm, mlp, pairs, causal_lm = FAMILIES[model_type]
@@ -693,7 +871,10 @@ def apply_tensor_ops_kernel(model_type: str, *, rope: bool = True, rms_norm: boo
 
 
 def revert_tensor_ops_kernel(model_type: str) -> None:
-    """Undoes apply_tensor_ops_kernel(model_type) (without model=)."""
+    """Undoes apply_tensor_ops_kernel(model_type) (without model=): HF's
+    classes, causal-LM forward and apply_rotary_pos_emb back for models built
+    afterwards (and HF's RoPE for those built before, which read it at call
+    time). Models given to prepare_model keep their own RoPE."""
     mod, norm, mlp, pairs, causal_lm = FAMILIES[model_type]
     modeling = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
     unpatch_rope(modeling)
