@@ -251,36 +251,72 @@ inline void attn_online_row(float* srow, int64_t j0, int64_t nk, float limit, bo
 // next tile's K rows are prefetched while the current ones are in use.
 constexpr int64_t kAttnDecodeRows = 8;
 
+// out[i] = the sum of v[i]'s lanes, i < 8. On AVX the eight reductions
+// share one transpose of pairwise adds (9 instructions for the eight, where
+// hsum's in-order lane chain is ~16 each); elsewhere hsum per vector.
+TENSOR_OPS_VEC_INLINE void hsum8(const vf* v, float* out) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+  const __m256 t0 = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]), t1 = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
+  const __m256 t2 = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]), t3 = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0 = [v0 v1 v2 v3 | v0 v1 v2 v3] partial sums of the low | high 128 bits, u1 likewise for v4..v7
+  const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  _mm256_storeu_ps(out, r);
+#else
+  for (int i = 0; i < 8; ++i) out[i] = hsum(v[i]);
+#endif
+}
+
 // S[r][j] = Q[r] . K row j, for NR rows of Q (fp32, stride Dp, zero past Dm)
-// and keys [0, nk) of the rows at element `kp0` of kdata (stride Dm).
+// and keys [0, nk) of the rows at element `kp0` of kdata (stride Dm), 8 / NR
+// keys at a time (2 for NR = 3).
 template <DType D, int NR>
 inline void attn_decode_qk(const float* Q, int64_t Dp, const void* kdata, int64_t kp0, int64_t Dm, int64_t nk,
-                           float* S, int64_t lds) {
-  auto keys = [&](int64_t j, auto two) {
-    constexpr int KN = decltype(two)::value;
+                           float* S, int64_t lds, const char* pf_a, const char* pf_b, int64_t pf_rows) {
+  constexpr int64_t row_bytes_per_elem = dtype_size(D);
+  auto keys = [&](int64_t j, auto kn) {
+    constexpr int KN = decltype(kn)::value;
+    // rows j.. of the two prefetch streams (the tile's V rows, the next tile's K rows)
+    for (int x = 0; x < KN; ++x)
+      if (j + x < pf_rows)
+        for (int64_t off = 0; off < Dm * row_bytes_per_elem; off += 64) {
+          prefetch(pf_a + (j + x) * Dm * row_bytes_per_elem + off);
+          if (pf_b) prefetch(pf_b + (j + x) * Dm * row_bytes_per_elem + off);
+        }
     vf acc[NR][KN] = {};
     auto step = [&](int64_t d, auto a) {
       vf kv[KN];
-#pragma GCC unroll 2
+#pragma GCC unroll 8
       for (int x = 0; x < KN; ++x) kv[x] = ldx<D>(kdata, kp0 + (j + x) * Dm + d, a);
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
         const vf qv = vload(Q + r * Dp + d);
-#pragma GCC unroll 2
+#pragma GCC unroll 8
         for (int x = 0; x < KN; ++x) acc[r][x] += qv * kv[x];
       }
     };
     int64_t d = 0;
     for (; d + kVW <= Dm; d += kVW) step(d, Full{});
     if (d < Dm) step(d, Part{int(Dm - d)});
+    if constexpr (NR * KN > 1) {  // the sums at once (hsum8), not one lane chain each
+      vf all[8] = {};
+      float sums[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < NR * KN; ++i) all[i] = acc[i / KN][i % KN];
+      hsum8(all, sums);
 #pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 2
-      for (int x = 0; x < KN; ++x) S[r * lds + j + x] = hsum(acc[r][x]);
+      for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+        for (int x = 0; x < KN; ++x) S[r * lds + j + x] = sums[r * KN + x];
+    } else {
+      S[j] = hsum(acc[0][0]);
+    }
   };
+  // keys per pass: up to eight dot products in flight, reduced by one hsum8
+  constexpr int KN = NR == 1 ? 8 : NR == 2 ? 4 : 2;
   int64_t j = 0;
-  for (; j + 2 <= nk; j += 2) keys(j, std::integral_constant<int, 2>{});
-  if (j < nk) keys(j, std::integral_constant<int, 1>{});
+  for (; j + KN <= nk; j += KN) keys(j, std::integral_constant<int, KN>{});
+  for (; j < nk; ++j) keys(j, std::integral_constant<int, 1>{});
 }
 
 // O[r] += sum_j P[r][j] V row j, j < nk, for NR rows (O stride Dp; V rows at
@@ -343,7 +379,12 @@ void attention_decode_rows(const to_op_call& c, const AttnShape& s, int64_t b, i
   constexpr int64_t item = dtype_size(D);
   float *Q = scratch, *O = Q + R * Dp, *S = O + R * Dp, *m = S + R * K, *l = m + R;
   const float ninf = -__builtin_inff();
-  attn_load_rows<D>(s, q.data, b, kvh, r0, nr, Q, Dp, s.scale);
+  for (int64_t r = 0; r < nr; ++r) {  // the nr rows only (attn_load_rows fills all kAttnRows)
+    float* d = Q + r * Dp;
+    ld<D>(q.data, s.row_offset(b, kvh, r0 + r), Dm, d);
+    for (int64_t x = 0; x < Dm; ++x) d[x] *= s.scale;
+    zero_f(d + Dm, Dp - Dm);
+  }
   zero_f(O, nr * Dp);
   for (int64_t r = 0; r < nr; ++r) m[r] = ninf, l[r] = 0;
   const int64_t kend = s.key_end(r0 + nr), kvbase = (b * s.Hkv + kvh) * s.Lk * Dm;
@@ -352,12 +393,17 @@ void attention_decode_rows(const to_op_call& c, const AttnShape& s, int64_t b, i
   attn_prefetch_rows(k.data, kvbase, Dm, min64(K, kend), item);
   for (int64_t j0 = 0; j0 < kend; j0 += K) {
     const int64_t nk = min64(K, kend - j0), p0 = kvbase + j0 * Dm;
-    attn_prefetch_rows(v.data, p0, Dm, nk, item);
+    // While the first row group's scores are made, the tile's V rows and the
+    // next tile's K rows are prefetched, a few lines per key.
+    const char* vrows = static_cast<const char*>(v.data) + p0 * item;
+    const char* knext = j0 + K < kend ? static_cast<const char*>(k.data) + (p0 + K * Dm) * item : nullptr;
+    const int64_t nnext = knext ? min64(K, kend - j0 - K) : 0;
     for (int64_t g = 0; g < nr; g += 4)
       attn_rows_1to4(nr - g, [&](auto n) {
-        attn_decode_qk<D, decltype(n)::value>(Q + g * Dp, Dp, k.data, p0, Dm, nk, S + g * K, K);
+        attn_decode_qk<D, decltype(n)::value>(Q + g * Dp, Dp, k.data, p0, Dm, nk, S + g * K, K, vrows,
+                                              g == 0 && nnext >= nk ? knext : nullptr, g == 0 ? nk : 0);
       });
-    if (j0 + K < kend) attn_prefetch_rows(k.data, p0 + K * Dm, Dm, min64(K, kend - j0 - K), item);
+    if (knext && nnext < nk) attn_prefetch_rows(k.data, p0 + K * Dm, Dm, nnext, item);
     const bool edge = nk < K || (s.causal && j0 + K - 1 > r0 / s.G + s.off);
     for (int64_t r = 0; r < nr; ++r)
       attn_online_row(S + r * K, j0, nk, edge ? s.limit(r0 + r) : __builtin_inff(), edge, m[r], l[r], O + r * Dp,

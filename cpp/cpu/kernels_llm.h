@@ -74,7 +74,8 @@ int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   return 0;
 }
 
-// scratch: x row | dy row | weight | dweight partial | dbias partial
+// scratch: x row | dy row | weight | dweight partial | dbias partial (the
+// partials zeroed here: chunk scratch comes unzeroed, cpu_backend.cpp)
 template <DType D, bool Layer>
 int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &dy = c.inputs[0], &x = c.inputs[1], &w = c.inputs[2], &dx = c.outputs[0];
@@ -82,6 +83,7 @@ int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
   float *xb = scratch, *gb = scratch + cols, *wf = scratch + 2 * cols, *dw = scratch + 3 * cols,
         *db = scratch + 4 * cols;
   ld<D>(w.data, 0, cols, wf);
+  for (int64_t i = 0; i < cols; ++i) dw[i] = 0.0f, db[i] = 0.0f;  // this chunk's partials
   const double eps = c.scalars[0];
   for (int64_t r = r0; r < r1; ++r) {
     ld<D>(x.data, r * x.strides[0], cols, xb);
