@@ -147,6 +147,7 @@ constexpr OpSpec kSpecs[] = {
     /* attention */ {3, 2, 1, 1, -1, -1, {"q", "k", "v"}, {"out", "lse"}},
     /* attention_backward */ {6, 3, 1, 1, -1, -1, {"dout", "q", "k", "v", "out", "lse"}, {"dq", "dk", "dv"}},
     /* cross_entropy */ {2, 2, 1, 1, -1, 1, {"logits", "target"}, {"loss", "dlogits"}},
+    /* linear */ {3, 1, 0, 0, 2, -1, {"x", "weight", "bias"}, {"out"}},
 };
 
 // The table must follow ops.def: one row per op, the same tensor counts.
@@ -220,6 +221,7 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
       cross_entropy(*in[0], *in[1], *out[0], out[1], ints[0], scalars[0], ce_options ? scalars[1] : 0.0,
                     ce_options ? scalars[2] : 0.0, ce_options ? scalars[3] : 0.0);
       break;
+    case OpId::linear: linear(*in[0], *in[1], in[2], *out[0]); break;
   }
 }
 

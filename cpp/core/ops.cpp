@@ -679,4 +679,42 @@ void cross_entropy(const Tensor& logits, const Tensor& target, const Tensor& los
   launch(OpId::cross_entropy, {&logits, &target}, {&loss, dlogits}, call, /*full=*/true);
 }
 
+void linear(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& out) {
+  const char* op = "linear";
+  check_float(op, "x", x);
+  check_rank(op, x, 1);
+  check_dtype_match(op, "weight", weight, x);
+  check_same_device(op, "weight", weight, x);
+  const int64_t K = x.shape().back();
+  if (weight.ndim() != 2 || weight.shape()[1] != K)
+    throw InvalidArgument("linear: weight must be [out_features, " + std::to_string(K) + "] to match x " +
+                          x.describe() + ", got " + weight.describe());
+  const int64_t N = weight.shape()[0];
+  if (bias) {
+    check_dtype_match(op, "bias", *bias, x);
+    check_same_device(op, "bias", *bias, x);
+    if (bias->ndim() != 1 || bias->shape()[0] != N)
+      throw InvalidArgument("linear: bias must have shape [" + std::to_string(N) + "] to match weight " +
+                            weight.describe() + ", got " + bias->describe());
+  }
+  std::vector<int64_t> want(x.shape().begin(), x.shape().end() - 1);
+  want.push_back(N);
+  if (out.shape() != want)
+    throw InvalidArgument("linear: out has shape " + shape_str(out.shape()) + " but x " + x.describe() +
+                          " and weight " + weight.describe() + " give " + shape_str(want));
+  check_dtype_match(op, "out", out, x);
+  check_same_device(op, "out", out, x);
+  // Not even in place: x's rows are read while out's are written.
+  for (const Tensor* t : {&x, &weight, bias})
+    if (t && overlaps(out, *t))
+      throw InvalidArgument("linear: out " + out.describe() + " overlaps an input " + t->describe());
+  collapse(x, op, "x");
+  collapse(weight, op, "weight");
+  collapse(out, op, "out");
+  if (out.numel() == 0) return;  // K = 0 still writes out: bias or zeros
+  to_op_call call{};
+  call.ints[0] = bias != nullptr;
+  launch(OpId::linear, {&x, &weight, bias}, {&out}, call);
+}
+
 }  // namespace tensor_ops

@@ -17,6 +17,7 @@
 #include "../core/env.h"
 #include "attention_tiles.h"
 #include "isa.h"
+#include "linear_items.h"
 #include "tensor_ops/bad_index.h"
 #include "tensor_ops/errors.h"
 #include "tensor_ops/ops.h"
@@ -245,6 +246,13 @@ Split split_of(const to_op_call& c) {
       const int64_t scratch =
           op == OpId::attention ? attention_scratch_floats(D) : attention_backward_scratch_floats(D);
       return {B * Hkv * tiles, int64_t(1) << 20, scratch};
+    }
+    // Blocks of w's rows (Note [linear rows]); each group of four rows of x
+    // reads a block again (from cache). 16-bit x is widened into the scratch.
+    case OpId::linear: {
+      const int64_t N = c.inputs[1].shape[0], per = linear_rows_per_item(cols, item);
+      return {(N + per - 1) / per, per * std::max<int64_t>(cols, 1) * item * ((rows + 3) / 4),
+              dt_of(x) == DType::Float32 ? 0 : rows * cols};
     }
     default: return {rows, cols * item, 0};
   }
@@ -484,7 +492,7 @@ to_backend_v1 make_table() {
   t.kernels[int(OpId::gelu)] = run_gelu;
   for (OpId op : {OpId::layer_norm, OpId::rms_norm_backward, OpId::layer_norm_backward, OpId::add_rms_norm,
                   OpId::softmax, OpId::softmax_backward, OpId::activation_backward, OpId::glu, OpId::glu_backward,
-                  OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy})
+                  OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy, OpId::linear})
     t.kernels[int(op)] = run_items;
   t.flags |= TO_BACKEND_CE_OPTIONS;  // cross_entropy reads its option scalars
   return t;

@@ -10,6 +10,7 @@
 
 #include "attention_tiles.h"
 #include "isa.h"
+#include "linear_items.h"
 #include "tensor_ops/ops.h"
 
 namespace tensor_ops::cpu {
@@ -460,6 +461,7 @@ static IsaKernels make_kernels() {
   t.ops[int(OpId::attention)] = k::attention;
   t.ops[int(OpId::attention_backward)] = k::attention_backward;
   t.ops[int(OpId::cross_entropy)] = k::cross_entropy;
+  t.ops[int(OpId::linear)] = k::linear;
   return t;
 }
 // A function, not a global: a global's initialiser would run (with this

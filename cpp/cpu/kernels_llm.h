@@ -1,5 +1,5 @@
 // The LLM op kernels (norms with backward, softmax, gated units, RoPE,
-// attention, cross-entropy), included by kernels_impl.h inside each ISA
+// attention, cross-entropy, linear), included by kernels_impl.h inside each ISA
 // namespace. Every kernel has one signature: it processes work items
 // [i0, i1) of a validated call (rows, positions or heads, as cpu_backend.cpp
 // splits them) with a per-chunk fp32 scratch area, and returns 0 or a
@@ -535,6 +535,10 @@ int cross_entropy_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
   return 0;
 }
 
+// ---- linear: items are blocks of rows of w ---------------------------------
+
+#include "linear_rows.h"
+
 #define TENSOR_OPS_DTYPE_DISPATCH(fn)                                                \
   int fn(const to_op_call& c, int64_t i0, int64_t i1, float* s) {                  \
     switch (DType(c.inputs[0].dtype)) {                                             \
@@ -555,6 +559,7 @@ TENSOR_OPS_DTYPE_DISPATCH(rope)
 TENSOR_OPS_DTYPE_DISPATCH(attention)
 TENSOR_OPS_DTYPE_DISPATCH(attention_backward)
 TENSOR_OPS_DTYPE_DISPATCH(cross_entropy)
+TENSOR_OPS_DTYPE_DISPATCH(linear)
 
 template <DType D>
 int rms_norm_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float* s) {

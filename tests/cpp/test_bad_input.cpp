@@ -164,6 +164,10 @@ CallSpec valid_call(OpId op, int64_t rows, int64_t cols) {
       c.scalars = {1.0};
       c.ints = {-100};
       break;
+    case OpId::linear:
+      c.in = {data("x", {R, C}), data("weight", {5, C}), data("bias", {5})};
+      c.out = {data("out", {R, 5})};
+      break;
   }
   return c;
 }
@@ -239,6 +243,7 @@ const std::vector<OpTraits>& all_ops() {
          c.in[0].shape.insert(c.in[0].shape.begin(), 1);
          c.out[1].shape.insert(c.out[1].shape.begin(), 1);
        }},
+      {OpId::linear, false, false, Outcome::Ok, [](CallSpec& c) { c.in[1].shape = {5 * c.in[1].shape[1]}; }},
   };
   return ops;
 }
@@ -377,7 +382,7 @@ std::vector<Row> all_rows() {
 
     // null pointers (C++: null data; C: a NULL handle), for required tensors
     for (int i = 0; i < base.n_slots(); ++i) {
-      const bool optional = (t.op == OpId::layer_norm && i == 2) ||
+      const bool optional = ((t.op == OpId::layer_norm || t.op == OpId::linear) && i == 2) ||
                             (t.op == OpId::layer_norm_backward && i == base.n_slots() - 1) ||
                             (t.op == OpId::cross_entropy && i == base.n_slots() - 1);
       if (!optional)
@@ -477,6 +482,7 @@ void run_cpp_op(const CallSpec& c, const std::vector<Tensor>& t) {
       attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], out(0), out(1), out(2), i0 != 0, s0);
       break;
     case OpId::cross_entropy: cross_entropy(in[0], in[1], out(0), &out(1), i0, s0); break;
+    case OpId::linear: linear(in[0], in[1], &in[2], out(0)); break;
   }
 }
 

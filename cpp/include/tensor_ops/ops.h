@@ -77,6 +77,10 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 void cross_entropy(const Tensor& logits, const Tensor& target, const Tensor& loss, const Tensor* dlogits,
                    int64_t ignore_index, double grad_scale, double label_smoothing = 0, double z_loss = 0,
                    double softcap = 0);
+// linear: in x [..., K], weight [N, K], bias? [N] -> out [..., N] = x weight^T (+ bias), fp32
+// accumulation; ints[0] has_bias. Kernels get x and out as [M, K] / [M, N] rows. For a few rows
+// of x (decode); each output element is summed in one fixed order (no split of K).
+void linear(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& out);
 
 // Name of the backend an op with these tensors would run on.
 std::string backend_for(const Tensor& x);

@@ -1,0 +1,111 @@
+// linear: y[M, N] = x[M, K] w[N, K]^T (+ bias), for a few rows of x (decode:
+// M = batch x new tokens), included by kernels_llm.h inside each ISA
+// namespace (after hsum8, get1 and set1).
+//
+// Note [linear rows]
+// Bound by reading w once: each item is a block of w's rows
+// (linear_rows_per_item, linear_items.h), read in place in D. Up to four rows of x (fp32: in
+// place; 16-bit: widened once per chunk into the scratch) are dotted with
+// 8 / NR rows of w at a time, every product's sum in its own register of
+// fp32 lanes, reduced by hsum8. Every output element is one fixed chain: its
+// lanes over K in order, then the same lane reduction whatever the group it
+// was computed in (hsum8 reduces each register on its own), so a result does
+// not depend on the thread count, on the chunking or on where its row falls
+// in a block. More rows of x go four at a time over the block again (it is
+// ~32 KiB: from cache).
+
+// out[r * KN + j] = X row r . W row j for NR rows of X (fp32, row stride xs)
+// and KN rows of W (D, row stride ws), K elements each.
+template <DType D, int NR, int KN>
+TENSOR_OPS_VEC_INLINE void linear_tile(const float* X, int64_t xs, const char* W, int64_t ws, int64_t K,
+                                       float* out) {
+  constexpr int64_t item = dtype_size(D);
+  vf acc[NR][KN] = {};
+  auto step = [&](int64_t d, auto a) {
+    if constexpr (NR == 1) {  // each row of w used once: widened and consumed at once (no 8 live temporaries)
+      const vf xv = a.ld(X + d);
+#pragma GCC unroll 8
+      for (int j = 0; j < KN; ++j) acc[0][j] += xv * ldx<D>(W + j * ws * item, d, a);
+    } else {
+      vf wv[KN];
+#pragma GCC unroll 8
+      for (int j = 0; j < KN; ++j) wv[j] = ldx<D>(W + j * ws * item, d, a);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const vf xv = a.ld(X + r * xs + d);
+#pragma GCC unroll 8
+        for (int j = 0; j < KN; ++j) acc[r][j] += xv * wv[j];
+      }
+    }
+  };
+  int64_t d = 0;
+  for (; d + kVW <= K; d += kVW) step(d, Full{});
+  if (d < K) step(d, Part{int(K - d)});
+  vf all[8] = {};
+  float sums[8];
+  static_assert(NR * KN <= 8, "one hsum8");
+#pragma GCC unroll 8
+  for (int i = 0; i < NR * KN; ++i) all[i] = acc[i / KN][i % KN];
+  hsum8(all, sums);
+#pragma GCC unroll 8
+  for (int i = 0; i < NR * KN; ++i) out[i] = sums[i];
+}
+
+// Rows [n0, n1) of w against NR rows of x (X, row stride xs) into y's rows r0..:
+// KN rows of w at a time, the rest one at a time (the same sums: Note
+// [linear rows]).
+template <DType D, int NR>
+inline void linear_block(const to_op_call& c, const float* X, int64_t xs, int64_t r0, int64_t n0, int64_t n1) {
+  const to_tensor &w = c.inputs[1], &b = c.inputs[2], &y = c.outputs[0];
+  const int64_t K = w.shape[1];
+  constexpr int KN = NR == 1 ? 8 : NR == 2 ? 4 : 2;
+  float sums[8];
+  auto store = [&](int64_t n, int kn) {
+    for (int r = 0; r < NR; ++r) {
+      char* yrow = row_of<D>(y, r0 + r);
+      for (int j = 0; j < kn; ++j) {
+        const float bias = c.ints[0] ? get1<D>(b.data, n + j) : 0.0f;
+        set1<D>(yrow, n + j, sums[r * kn + j] + bias);
+      }
+    }
+  };
+  int64_t n = n0;
+  for (; n + KN <= n1; n += KN) {
+    linear_tile<D, NR, KN>(X, xs, row_of<D>(w, n), w.strides[0], K, sums);
+    store(n, KN);
+  }
+  for (; n < n1; ++n) {
+    linear_tile<D, NR, 1>(X, xs, row_of<D>(w, n), w.strides[0], K, sums);
+    store(n, 1);
+  }
+}
+
+// Items: blocks of linear_rows_per_item (linear_items.h) rows of w, each
+// read by every group of four rows of x in turn. scratch (16-bit x): x in
+// fp32, [M][K].
+template <DType D>
+int linear_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
+  const to_tensor &x = c.inputs[0], &w = c.inputs[1];
+  const int64_t M = x.shape[0], K = x.shape[1], N = w.shape[0];
+  const int64_t per = linear_rows_per_item(K, int64_t(dtype_size(D)));
+  const float* X = static_cast<const float*>(x.data);
+  int64_t xs = x.strides[0];
+  if constexpr (D != DType::Float32) {
+    for (int64_t r = 0; r < M; ++r) ld<D>(x.data, r * x.strides[0], K, scratch + r * K);
+    X = scratch;
+    xs = K;
+  }
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t n0 = it * per, n1 = min64(N, n0 + per);
+    for (int64_t r = 0; r < M; r += 4) {
+      const float* Xr = X + r * xs;
+      switch (min64(4, M - r)) {
+        case 4: linear_block<D, 4>(c, Xr, xs, r, n0, n1); break;
+        case 3: linear_block<D, 3>(c, Xr, xs, r, n0, n1); break;
+        case 2: linear_block<D, 2>(c, Xr, xs, r, n0, n1); break;
+        default: linear_block<D, 1>(c, Xr, xs, r, n0, n1); break;
+      }
+    }
+  }
+  return 0;
+}
