@@ -22,7 +22,7 @@ the call to the general lane, which copies what needs copying.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -39,9 +39,19 @@ class OpEntry(NamedTuple):
     like: tuple[int, ...]
     optional: int = -1  # the array argument that may be None (layer_norm's bias), else -1
     index: int = -1  # the integer array argument (rope's positions): any dtype, else -1
+    # the output's shape from the arrays, when it is not its `like` argument's (linear: x's with the
+    # last dim weight's rows); single-output ops only
+    shape: Optional[Callable[[tuple], tuple]] = None
 
 
 LSE = -1  # attention's log-sum-exp output
+
+
+def _linear_shape(arrays: tuple) -> tuple:
+    """linear's output: x's shape with its last dim weight's rows (shapes the
+    core refuses give some shape; the core's error names the real ones)."""
+    x, w = arrays[0].shape, arrays[1].shape
+    return tuple(x[:-1]) + (w[0] if len(w) == 2 else 0,) if len(x) else ()
 
 
 TABLE: dict[str, OpEntry] = {
@@ -58,6 +68,7 @@ TABLE: dict[str, OpEntry] = {
     "glu_backward": OpEntry(_C.glu_backward, ("dy", "gate", "up"), (1, 1)),
     "rope": OpEntry(_C.rope, ("x", "cos", "sin", "positions"), (0,), index=3),
     "attention": OpEntry(_C.attention, ("q", "k", "v"), (0, LSE)),
+    "linear": OpEntry(_C.linear, ("x", "weight", "bias"), (0,), optional=2, shape=_linear_shape),
 }
 
 _NONES = {1: (None,), 2: (None, None), 3: (None, None, None)}
@@ -81,6 +92,8 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
                     if a is None and i == e.optional:
                         continue
                     return None
+        if e.shape is not None:
+            return _into(e, arrays, (_np_empty(e.shape(arrays), dt),), extra)
         if len(like) == 1:
             a = arrays[like[0]]
             return _into(e, arrays, (_np_empty(a.shape, dt) if a.nbytes < POOL_OUTPUT_BYTES else fast_out(a),), extra)
@@ -107,7 +120,7 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
         pass  # a lazy view, a large output, device data: outputs from Python below, or the general lane
     except UnsupportedError:
         return None  # the general lane words the refusal (shapes, dtypes)
-    if LSE in like:
+    if LSE in like or e.shape is not None:
         return None  # the general lane makes it
     outs = tuple(fast_out(arrays[i]) for i in like)
     return None if any(o is None for o in outs) else _into(e, arrays, outs, extra)
@@ -135,7 +148,10 @@ def invoke(name: str, arrays: tuple, extra: tuple = (), out=None):
     args = [None if a is None and i == e.optional else Arg(a, e.arrays[i]) for i, a in enumerate(arrays)]
     if out is not None:
         return call(e.fn, args, out, *extra)
-    outs = [empty_like(args[0], tuple(args[0].array.shape)[:-1], "float32") if i == LSE else empty_like(args[i])
-            for i in e.like]
+    if e.shape is not None:
+        outs = [empty_like(args[0], e.shape(tuple(None if a is None else a.array for a in args)))]
+    else:
+        outs = [empty_like(args[0], tuple(args[0].array.shape)[:-1], "float32") if i == LSE else empty_like(args[i])
+                for i in e.like]
     run(e.fn, args, outs, *extra)
     return outs[0] if len(outs) == 1 else tuple(outs)

@@ -1,5 +1,5 @@
 """The op API beyond the first three: norms, softmax, gated units, RoPE,
-attention and cross-entropy, forward and backward. Inputs: numpy arrays,
+attention, cross-entropy and linear, forward and backward. Inputs: numpy arrays,
 torch tensors, DLPack producers or tensor_ops.Tensor; outputs come back in
 the caller's kind of array, on the caller's device."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from . import _C, _checks
 from ._arrays import Arg, empty_like, run
 from ._optable import invoke
 from ._types import Approximate, Array, CausalAlignment, Reduction
-from .errors import InvalidArgumentError
+from .errors import ExternalBackendSelected, InvalidArgumentError, UnsupportedError
 
 
 def _eps(eps) -> float:
@@ -328,9 +328,23 @@ def cross_entropy_with_grad(logits: Array, target: Array, ignore_index: int = -1
     return _ce(logits, target, ignore_index, reduction, True, label_smoothing, z_loss, softcap, inplace)
 
 
+def linear(x: Array, weight: Array, bias: Array | None = None, *, out: Array | None = None) -> Array:
+    """x @ weight.T + bias (torch.nn.functional.linear's op): x [..., K],
+    weight [N, K], bias [N] (optional), one dtype -> [..., N]. Made for a
+    few rows of x (decode: batch x new tokens; many rows work, slower than a
+    GEMM library): weight read once, in place, with fp32 accumulation, and
+    every output element summed in one fixed order, the same bits on any
+    number of threads. K = 0 gives the bias (or zeros)."""
+    try:
+        return invoke("linear", (x, weight, bias), (), out)
+    except ExternalBackendSelected:  # the XLA shim has no linear (backends._SHIM_LACKS)
+        raise UnsupportedError(f"op linear is not implemented by backend '{_C.selected_backend()}' (the XLA "
+                               "shim); select the cpu backend for it") from None
+
+
 __all__ = [
     "layer_norm", "add_rms_norm", "rms_norm_backward", "layer_norm_backward", "softmax", "log_softmax",
     "softmax_backward", "log_softmax_backward", "silu_backward", "gelu_backward", "swiglu", "geglu",
     "swiglu_backward", "geglu_backward", "rope", "rope_backward", "attention", "attention_backward",
-    "cross_entropy", "cross_entropy_with_grad",
+    "cross_entropy", "cross_entropy_with_grad", "linear",
 ]

@@ -148,6 +148,7 @@ def _opcheck_cases():
         "attention": (q, k, v, True, 0.3),
         "cross_entropy": (logits, target, -100, "mean"),
         "cross_entropy_with_grad": (logits, target, -100, "none"),
+        "linear": (r(2, 3, 8), r(5, 8), r(5)),
         "rms_norm_backward": (n(3, 8), n(3, 8), n(8), 1e-6),
         "layer_norm_backward": (n(3, 8), n(3, 8), n(8), 1e-5),
         "silu_backward": (n(3, 8), n(3, 8)),
@@ -494,11 +495,14 @@ def test_prepare_o1_reports_each_swap():
     params = {n: p for n, p in model.named_parameters()}
     prepared, result = tt.prepare_model(model, tt.OptimizationLevel.O1)
     assert prepared is model and result.success and result.warnings == []
-    assert result.optimizations_applied[1:] == ["LlamaMLP -> tensor_ops.torch.SwiGLU x2",
+    # every nn.Linear (7 per layer, lm_head) too: its few-row (decode) calls run our linear kernel
+    assert result.optimizations_applied[1:] == ["Linear -> tensor_ops.torch.Linear x15",
+                                                "LlamaMLP -> tensor_ops.torch.SwiGLU x2",
                                                 "RMSNorm -> tensor_ops.torch.RMSNorm x5"]
     m = result.metrics
-    assert m["parameters"] == n_params and m["modules_replaced"] == 7 and m["time_s"] > 0
-    assert m["replacements"] == {"RMSNorm -> tensor_ops.torch.RMSNorm": 5, "LlamaMLP -> tensor_ops.torch.SwiGLU": 2}
+    assert m["parameters"] == n_params and m["modules_replaced"] == 22 and m["time_s"] > 0
+    assert m["replacements"] == {"RMSNorm -> tensor_ops.torch.RMSNorm": 5, "LlamaMLP -> tensor_ops.torch.SwiGLU": 2,
+                                 "Linear -> tensor_ops.torch.Linear": 15}
     assert m["backend"] == "cpu" and m["dtype"] == "torch.float32" and m["parameter_bytes"] == 4 * n_params
     assert list(prepared.state_dict()) == keys
     n_tensors = len(list(model.parameters())) + len(list(model.buffers()))
@@ -541,7 +545,8 @@ def test_prepare_o1_swaps_hf_norms_activations_and_warns_on_odd_mlps():
     _, result = tt.prepare_model(model, "conservative")
     assert result.metrics["replacements"] == {
         "LlamaRMSNorm -> tensor_ops.torch.RMSNorm": 1, "LayerNorm -> tensor_ops.torch.LayerNorm": 1,
-        "GELU -> tensor_ops.torch.GELU": 1, "SiLU -> tensor_ops.torch.SiLU": 2}  # one inside the skipped MLP
+        "GELU -> tensor_ops.torch.GELU": 1, "SiLU -> tensor_ops.torch.SiLU": 2,  # one inside the skipped MLP
+        "Linear -> tensor_ops.torch.Linear": 6}  # the skipped MLPs' Linears
     assert model[0].weight is w0 and model[0].eps == 1e-6
     assert rel_err(model[1:4](model[0](x)), ref) < 1e-5
     assert len(result.warnings) == 2
@@ -572,8 +577,8 @@ def test_prepare_o3_reduced_precision_and_compile():
     norm, result = tt.prepare_model(nn.RMSNorm(8), "O3", compile_options={"backend": "eager"})
     assert isinstance(norm, tt.RMSNorm) and result.metrics["modules_replaced"] == 1
     assert norm(x).dtype == torch.bfloat16
-    mlp, result = tt.prepare_model(LlamaMLP(8, 16), "O1")  # the model itself replaced
-    assert isinstance(mlp, tt.SwiGLU) and result.metrics["modules_replaced"] == 1
+    mlp, result = tt.prepare_model(LlamaMLP(8, 16), "O1")  # the model itself replaced (and its 3 Linears swapped)
+    assert isinstance(mlp, tt.SwiGLU) and result.metrics["modules_replaced"] == 4
 
 
 def test_prepare_reports_a_failing_example_and_undoes_compile():
@@ -676,7 +681,7 @@ def test_backend_optimize_for_inference_and_training():
     model, result = b.optimize_for_inference(tiny_llama(layers=1), level="O1")
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert result.optimizations_applied[0].startswith("inference mode")
-    assert result.metrics["modules_replaced"] == 4
+    assert result.metrics["modules_replaced"] == 12  # 3 RMSNorm, 1 SwiGLU, 8 Linear
     model, result = b.optimize_for_training(nn.Sequential(nn.LayerNorm(4)).eval())
     assert model.training and result.optimizations_applied[0].startswith("training mode")
 
@@ -712,7 +717,7 @@ def test_validate_model():
 def test_llama_o1_same_logits_and_gradients():
     model = tiny_llama()
     prepared, result = tt.prepare_model(copy.deepcopy(model), "O1")
-    assert result.metrics["modules_replaced"] == 7
+    assert result.metrics["modules_replaced"] == 22
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(9))
     target = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(10))
     logits, ref = prepared(ids), model(ids)

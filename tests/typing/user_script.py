@@ -46,6 +46,8 @@ def main() -> None:
     loss = tensor_ops.cross_entropy(x, target, reduction="sum", label_smoothing=0.1)
     loss, dlogits = tensor_ops.cross_entropy_with_grad(x.copy(), target, inplace=True)
     tensor_ops.fused_linear_cross_entropy(x, rng.standard_normal((10, 64)).astype(np.float32), target)
+    tensor_ops.linear(x, rng.standard_normal((10, 64)).astype(np.float32), np.zeros(10, np.float32))
+    tensor_ops.linear(x[:1], np.ones((3, 64), np.float32), out=np.empty((1, 3), np.float32))
 
     names: list[str] = [b.name for b in tensor_ops.backends() if b.usable]
     with tensor_ops.use("cpu"):

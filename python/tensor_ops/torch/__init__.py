@@ -7,10 +7,10 @@ from .custom_ops import FUNCTIONS, OPS
 from .factory import Backend, BackendFactory, BackendType, detect_best_backend, get_backend, list_available_backends
 from .functional import (
     add_rms_norm, attention, attention_backward, cross_entropy, cross_entropy_with_grad, geglu, geglu_backward,
-    gelu, gelu_backward, layer_norm, layer_norm_backward, log_softmax, log_softmax_backward, rms_norm,
+    gelu, gelu_backward, layer_norm, layer_norm_backward, linear, log_softmax, log_softmax_backward, rms_norm,
     rms_norm_backward, rope, rope_backward, silu, silu_backward, softmax, softmax_backward, swiglu, swiglu_backward,
 )
-from .modules import GELU, Attention, LayerNorm, RMSNorm, SiLU, SwiGLU
+from .modules import GELU, Attention, LayerNorm, Linear, RMSNorm, SiLU, SwiGLU
 from .prepare import (
     OptimizationLevel, OptimizationResult, ValidationResult, prepare_model, validate_model,
 )
@@ -23,10 +23,10 @@ __all__ = [
     "OPS", "FUNCTIONS", "Backend", "BackendFactory", "BackendType", "detect_best_backend", "get_backend",
     "list_available_backends", "DeviceInfo", "BackendUnavailableError",
     "add_rms_norm", "attention", "attention_backward", "cross_entropy", "cross_entropy_with_grad", "geglu",
-    "geglu_backward", "gelu", "gelu_backward", "layer_norm", "layer_norm_backward", "log_softmax",
+    "geglu_backward", "gelu", "gelu_backward", "layer_norm", "layer_norm_backward", "linear", "log_softmax",
     "log_softmax_backward", "rms_norm", "rms_norm_backward", "rope", "rope_backward", "silu", "silu_backward",
     "softmax", "softmax_backward", "swiglu", "swiglu_backward",
-    "GELU", "Attention", "LayerNorm", "RMSNorm", "SiLU", "SwiGLU",
+    "GELU", "Attention", "LayerNorm", "Linear", "RMSNorm", "SiLU", "SwiGLU",
     "OptimizationLevel", "OptimizationResult", "ValidationResult", "prepare_model", "validate_model",
     "FlashAttention", "FlashAttention3", "scaled_dot_product_attention",
     "FusedLinearGELU", "FusedLinearSiLU", "linear_activation", "prepare_model_with_custom_kernels",

@@ -421,3 +421,28 @@ _register(cross_entropy,
           lambda logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None:
           _loss_like(logits, reduction),
           _ce_setup, _ce_bwd)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x @ weight.T + bias (F.linear) on our kernel: made for a few rows of
+    x (decode), fp32 accumulation, the same bits on any thread count."""
+    return _to.linear(_c(x), _c(weight), _c(bias))
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_bwd(ctx, dy, k):
+    # torch's GEMMs: the gradients are GEMMs over every row, not few-row products.
+    x, weight = ctx.saved_tensors
+    dy2 = dy.reshape(-1, weight.shape[0])
+    dx = (dy2 @ weight).view(x.shape)
+    dw = dy2.t() @ x.reshape(-1, weight.shape[1])
+    return dx, dw, (dy2.sum(0) if ctx.has_bias else None)
+
+
+_register(linear, lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0])), _linear_setup,
+          _linear_bwd)

@@ -68,6 +68,11 @@ def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
     return _run("log_softmax", x, dim, scale, causal)
 
 
+def linear(x, weight, bias=None):
+    """x @ weight.T + bias (F.linear) on our few-row kernel (see tensor_ops.linear)."""
+    return _run("linear", x, weight, bias)
+
+
 def swiglu(gate, up):
     """silu(gate) * up in one pass."""
     return _run("swiglu", gate, up)

@@ -8,7 +8,11 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+import tensor_ops as _to
+from tensor_ops import UnsupportedError
 
 from . import functional as ops
 
@@ -64,6 +68,51 @@ class SiLU(nn.SiLU):
 class GELU(nn.GELU):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.gelu(x, self.approximate)
+
+
+# Calls of Linear with at most this many rows of input (x.numel() / in_features)
+# run our linear kernel: decode's batch x new tokens. More rows are a GEMM,
+# torch's (oneDNN / its BLAS) is the faster one there.
+LINEAR_MAX_ROWS = 16
+_LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
+_is_autocast_enabled = torch.is_autocast_enabled
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """x @ weight.T + bias on tensor_ops' linear kernel when the call is a
+    few-row product it is made for: plain CPU tensors of one float dtype, at
+    most LINEAR_MAX_ROWS rows, nothing to differentiate, no autocast, not
+    traced, a backend with the kernel; None otherwise (run F.linear).
+    torch's CPU F.linear reads a [N, K] weight for one row at a fraction of
+    the bandwidth its GEMMs reach (~15 GB/s fp32, ~5-10 GB/s bf16 here)."""
+    if _is_compiling():
+        return None  # traced: F.linear, which the compiler knows
+    k = weight.shape[-1]
+    if (type(x) is not torch.Tensor or not x.is_cpu or x.dtype not in _LINEAR_DTYPES or weight.dtype != x.dtype
+            or not weight.is_cpu or k == 0 or x.numel() > LINEAR_MAX_ROWS * k
+            or (bias is not None and (bias.dtype != x.dtype or not bias.is_cpu))):
+        return None
+    if _is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return None
+    if _is_autocast_enabled("cpu"):
+        return None  # F.linear casts under autocast; we would not
+    try:
+        return _to.linear(x, weight, bias)
+    except UnsupportedError:
+        return None  # the active backend has no linear kernel (or the XLA shim is selected)
+
+
+class Linear(nn.Linear):
+    """torch.nn.Linear whose few-row calls (decode: at most LINEAR_MAX_ROWS
+    rows, no gradient; linear_rows) run tensor_ops' linear kernel, every
+    other call torch's F.linear. The same parameters and state_dict;
+    prepare_model swaps nn.Linear for it (a class swap, on the CPU backend)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear_rows(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) if y is None else y
 
 
 def _glu_activation(name: str) -> str:

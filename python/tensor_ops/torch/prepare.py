@@ -148,6 +148,17 @@ def _swap_modules(m: nn.Module, path: str, warnings: List[str], counts: collecti
     return m
 
 
+def _swap_linears(model: nn.Module, counts: collections.Counter) -> None:
+    """Every nn.Linear (exactly: subclasses have forwards of their own) at
+    any depth becomes tensor_ops.torch.Linear, in place (a class swap): its
+    few-row calls (decode) run our linear kernel. Last, after the swaps that
+    look for nn.Linear children (gated MLPs, Linear + activation pairs)."""
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = modules.Linear
+            counts["Linear -> tensor_ops.torch.Linear"] += 1
+
+
 def _is_transformers_model(model: nn.Module) -> bool:
     """Whether model holds transformers modules (transformers is then imported already)."""
     return "transformers" in sys.modules and any(
@@ -186,7 +197,9 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
     O1 also swaps nn.RMSNorm / LayerNorm / SiLU / GELU for tensor_ops.torch's
     modules and HF-style gated MLPs (gate_proj, up_proj, down_proj, act_fn)
     and HF RMSNorms for SwiGLU / RMSNorm holding the same Parameters (the
-    state_dict keys do not change); on a transformers model, O1 also runs
+    state_dict keys do not change), and on the CPU backend nn.Linear for
+    tensor_ops.torch.Linear (few-row calls, decode, on our linear kernel);
+    on a transformers model, O1 also runs
     tensor_ops.torch.hf.prepare_hf_model (Gemma norms, fused gate/up MLPs,
     Linear + activation epilogues, activations, RoPE, attention through
     transformers' AttentionInterface, the causal-LM loss on our
@@ -220,6 +233,8 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
             from . import hf  # imported only when transformers already is
 
             hf.prepare_hf_model(model, warnings, counts)
+        if backend.name == "cpu":  # the only backend with a linear kernel
+            _swap_linears(model, counts)
         applied += [f"{swap} x{n}" for swap, n in sorted(counts.items())]
         if not counts:
             warnings.append("O1: no module tensor_ops replaces was found")
