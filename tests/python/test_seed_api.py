@@ -514,7 +514,8 @@ def test_prepare_model_with_custom_kernels():
     model, result = tt.prepare_model_with_custom_kernels(model, backend="cpu")
     assert isinstance(model[0], tt.FusedLinearGELU) and model[0].approximate == "tanh"
     assert isinstance(model[2], tt.FusedLinearSiLU) and isinstance(model[1], torch.nn.Identity)
-    assert type(model[4]) is torch.nn.Linear and model[0].weight is w0 and list(model.state_dict()) == keys
+    # the unfused Linear: prepare_model's few-row (decode) Linear
+    assert type(model[4]) is tt.Linear and model[0].weight is w0 and list(model.state_dict()) == keys
     assert result.metrics["linear_activation_fusions"] == 2
     assert any("FusedLinearGELU" in s for s in result.optimizations_applied)
     with torch.no_grad():
