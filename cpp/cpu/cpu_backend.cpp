@@ -521,4 +521,10 @@ int num_threads() { return ThreadPool::instance().num_threads(); }
 
 void set_num_threads(int threads) { ThreadPool::instance().set_num_threads(threads); }
 
+void set_openmp(uintptr_t gomp_parallel) {
+  ThreadPool::instance().set_openmp(reinterpret_cast<ThreadPool::GompParallel>(gomp_parallel));
+}
+
+bool uses_openmp() { return ThreadPool::instance().uses_openmp(); }
+
 }  // namespace tensor_ops::cpu

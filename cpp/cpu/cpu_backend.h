@@ -1,5 +1,6 @@
 #pragma once
 // The CPU backend: built into the core, always usable.
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -24,5 +25,9 @@ void set_isa(const std::string& name);
 int num_threads();
 // Resizes the CPU thread pool (clamped to 1..1024); waits for a running op.
 void set_num_threads(int threads);
+// Regions on an OpenMP runtime's threads (address of its GOMP_parallel; 0:
+// our own workers). Note [torch's OpenMP threads] in thread_pool.cpp.
+void set_openmp(uintptr_t gomp_parallel);
+bool uses_openmp();
 
 }  // namespace tensor_ops::cpu

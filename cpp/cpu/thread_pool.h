@@ -34,6 +34,12 @@ class ThreadPool {
   // depends only on n, grain and the thread count, never on timing.
   static constexpr int kChunksPerThread = 8;
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+  // Note [torch's OpenMP threads]: with an OpenMP runtime's GOMP_parallel
+  // entry point set (the one torch loaded), regions run on that runtime's
+  // threads instead of ours; nullptr: our workers. Off in a forked child.
+  using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+  void set_openmp(GompParallel fn);
+  bool uses_openmp() const { return gomp_.load() != nullptr; }
 
  private:
   explicit ThreadPool(int threads);
@@ -67,6 +73,7 @@ class ThreadPool {
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   bool stop_ = false;
   bool workers_started_ = false;  // false in a child forked after they started (Note [fork])
+  std::atomic<GompParallel> gomp_{nullptr};
 };
 
 // TENSOR_OPS_NUM_THREADS when it is a whole number from 1 to 1024 (a larger

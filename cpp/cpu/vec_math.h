@@ -176,9 +176,60 @@ TENSOR_OPS_VEC_INLINE T erfc_t(T t) {
   return t < splat<T>(0.0f) ? 2.0f - ans : ans;
 }
 
+// erf(z) as z P(z^2) / Q(z^2) on z clamped to [-4, 4] (erf(4) is 1 in
+// float): the rational approximation Eigen and XLA use for float, no exp and
+// no table; absolute error < 4.3e-7 with recip_t's divide.
+template <class T>
+TENSOR_OPS_VEC_INLINE T erf_rational_t(T z) {
+  const T x = min_t(splat<T>(4.0f), max_t(splat<T>(-4.0f), z));  // operand order hands a NaN through
+  const T x2 = x * x;
+  T p = x2 * -2.72614225801306e-10f + 2.77068142495902e-08f;
+  p = p * x2 - 2.10102402082508e-06f;
+  p = p * x2 - 5.69250639462346e-05f;
+  p = p * x2 - 7.34990630326855e-04f;
+  p = p * x2 - 2.95459980854025e-03f;
+  p = p * x2 - 1.60960333262415e-02f;
+  T q = x2 * -1.45660718464996e-05f - 2.13374055278905e-04f;
+  q = q * x2 - 1.68282697438203e-03f;
+  q = q * x2 - 7.37332916720468e-03f;
+  q = q * x2 - 1.42647390514189e-02f;
+  return x * p * recip_t(q);
+}
+
+// Whether any lane of a comparison's result is true.
+TENSOR_OPS_VEC_INLINE bool any_lane(bool m) { return m; }
+template <class M>
+TENSOR_OPS_VEC_INLINE bool any_lane(M m) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#elif defined(__AVX__)
+  return _mm256_movemask_ps((__m256)m) != 0;
+#elif defined(__SSE__)
+  return _mm_movemask_ps((__m128)m) != 0;
+#else
+  for (int j = 0; j < kVW; ++j)
+    if (m[j]) return true;
+  return false;
+#endif
+}
+
+// gelu(x) = x Phi(x) = 0.5 x erfc(-x / sqrt2). For z = -x / sqrt2 <= 2 (x >=
+// -2.83) erfc = 1 - erf_rational: ~20 operations instead of erfc_t's ~45
+// (a reciprocal, a degree-9 polynomial and an exp); relative error < 7.1e-5
+// at worst (near x = -2.83, where torch's 1 + erf has up to ~3e-5), < 7e-6
+// for x >= -2.1, < 6e-7 for x >= -1. Past it erfc_t keeps the negative
+// tail's relative accuracy (1 - erf cancels there). Each lane takes its own
+// value by a select, so a result never depends on its neighbours; erfc_t runs
+// only for vectors that have such a lane: ~2% of vectors for N(0, 1) inputs,
+// ~50% for N(0, 2^2) (then about as fast as before), more for wider inputs
+// (up to ~1.4x slower when every vector has one).
 template <class T>
 TENSOR_OPS_VEC_INLINE T gelu_erf_t(T x) {
-  return 0.5f * x * erfc_t(x * -0.70710678118654752f);
+  const T z = x * -0.70710678118654752f;
+  const T fast = 0.5f * x * (1.0f - erf_rational_t(z));
+  if (!any_lane(z > splat<T>(2.0f))) return fast;
+  const T tail = 0.5f * x * erfc_t(z);
+  return z > splat<T>(2.0f) ? tail : fast;
 }
 
 // 0.5 x (1 + tanh(u)) == x * sigmoid(2u): no cancellation for small u.

@@ -6,6 +6,7 @@ torch tensor in gives a torch tensor out and numpy gives numpy.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -384,3 +385,39 @@ def note_torch() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and not TORCH_TYPES:
         TORCH_TYPES.update((torch.Tensor, torch.nn.Parameter))
+        use_torch_openmp()
+
+
+def use_torch_openmp() -> bool:
+    """Runs the CPU pool's parallel regions on torch's OpenMP threads (Note
+    [torch's OpenMP threads], cpp/cpu/thread_pool.cpp): torch's workers spin
+    after each of its ops, and ours lost their core to them. True when on;
+    off with TENSOR_OPS_TORCH_OPENMP=0, or when torch's libgomp is not found
+    (only torch's own copy is used, never another OpenMP runtime)."""
+    if os.environ.get("TENSOR_OPS_TORCH_OPENMP", "1").strip() == "0" or "torch" not in sys.modules:
+        return False
+    if _C.cpu_uses_openmp():
+        return True
+    addr = _torch_gomp_parallel()
+    if addr:
+        _C.cpu_set_openmp(addr)
+    return bool(addr)
+
+
+def _torch_gomp_parallel() -> int:
+    """The address of GOMP_parallel in the libgomp torch loaded (torch/lib/), or 0."""
+    import ctypes
+
+    torch_dir = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__))
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line}
+    except OSError:
+        return 0
+    for path in sorted(p for p in paths if p.startswith(torch_dir + os.sep)):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            return int(ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0)
+        except (OSError, AttributeError):
+            continue
+    return 0
