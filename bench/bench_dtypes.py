@@ -87,7 +87,12 @@ def make_arrays(rows: int, cols: int, dtype: str, base: List[torch.Tensor]) -> t
     """POOL full-size tensors of dtype (inputs from base: softmax_backward's y
     and the others' inputs alike, random normal) and the row-sized ones."""
     t = getattr(torch, dtype)
-    pool: Dict[object, torch.Tensor] = {i: base[i % len(base)].to(t) for i in range(3)}
+    # copy=True: float32's .to() would hand back base itself, numpy's memory
+    # (page + 16 bytes) against torch's outputs (page + 64): a store stream
+    # 48 bytes ahead of its load stream modulo 4096, where the CPU takes a
+    # load for one that may alias the store just issued (4K aliasing) and
+    # serialises the loop (silu 2.4x slower). All arrays torch's, as in a model.
+    pool: Dict[object, torch.Tensor] = {i: base[i % len(base)].to(t, copy=True) for i in range(3)}
     pool.update({i: torch.empty(rows, cols, dtype=t) for i in (3, 4)})
     for i in (3, 4):
         pool[i].fill_(0)  # pre-faulted
