@@ -18,8 +18,10 @@ collector off); medians. Threads: torch.set_num_threads(t) and tensor_ops'
 pool both at t, one run per thread count (a subprocess each).
 
 Decode step: rms_norm -> qkv GEMM -> rope -> attention over a 2048-token KV
-cache (GQA) -> o GEMM -> add_rms_norm -> SwiGLU MLP, with the same torch GEMMs
-on both sides; only the non-GEMM ops differ.
+cache (GQA) -> o GEMM -> add_rms_norm -> SwiGLU MLP, twice on our side: with
+the same torch GEMMs as torch's step (only the non-GEMM ops differ), and with
+the GEMMs (one row: matrix-vector products) on our linear kernel as well, as
+a model prepared by prepare_model runs them (tensor_ops.torch.Linear).
 
 Writes bench/out/torch_calls.json and the "torch_calls" section of
 bench/RESULTS.md (not with --quick).
@@ -27,6 +29,7 @@ bench/RESULTS.md (not with --quick).
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime
 import json
 import os
@@ -124,7 +127,8 @@ def number_for(call: Callable) -> int:
 # ---- decode step -------------------------------------------------------------
 
 def decode_step(hidden: int, heads: int, kv_heads: int, inter: int, cache: int, dtype):
-    """(torch step, tensor_ops step): one token through one transformer layer."""
+    """(torch step, tensor_ops step with torch's GEMMs, tensor_ops step with
+    our linear kernel): one token through one transformer layer."""
     g = torch.Generator().manual_seed(1)
     d = hidden // heads
 
@@ -164,21 +168,21 @@ def decode_step(hidden: int, heads: int, kv_heads: int, inter: int, cache: int, 
         m = F.linear(F.silu(F.linear(h2, w_gate)) * F.linear(h2, w_up), w_down)
         return m + res
 
-    def ours_step():
+    def ours_step(linear=F.linear):
         h = TF.rms_norm(x, w_in, 1e-6)
-        qkv = F.linear(h, w_qkv)
+        qkv = linear(h, w_qkv)
         q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
         q = TF.rope(q.view(1, 1, heads, d), cos_o, sin_o, pos)
         k = TF.rope(k.view(1, 1, kv_heads, d), cos_o, sin_o, pos)
         kk = torch.cat([kc[:, :, 1:], k.transpose(1, 2)], 2)
         vv = torch.cat([vc[:, :, 1:], v.view(1, 1, kv_heads, d).transpose(1, 2)], 2)
         a = TF.attention(q.transpose(1, 2), kk, vv)
-        o = F.linear(a.transpose(1, 2).reshape(1, 1, heads * d), w_o)
+        o = linear(a.transpose(1, 2).reshape(1, 1, heads * d), w_o)
         h2, res = TF.add_rms_norm(o, x, w_post, 1e-6)
-        m = F.linear(TF.swiglu(F.linear(h2, w_gate), F.linear(h2, w_up)), w_down)
+        m = linear(TF.swiglu(linear(h2, w_gate), linear(h2, w_up)), w_down)
         return m + res
 
-    return torch_step, ours_step
+    return torch_step, ours_step, functools.partial(ours_step, TF.linear)
 
 
 DECODE_CONFIGS = (("hidden 512, 8/2 heads, MLP 1408, cache 2048", 512, 8, 2, 1408, 2048),
@@ -208,13 +212,14 @@ def run_threads(threads: int, repeat: int, quick: bool) -> dict:
                           file=sys.stderr, flush=True)
         for label, *cfg in DECODE_CONFIGS[: 1 if quick else 2]:
             for dtype in (torch.float32, torch.bfloat16):
-                t_step, o_step = decode_step(*cfg, dtype)
-                a, b = t_step(), o_step()
-                err = float((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-6))
-                if err > (1e-4 if dtype == torch.float32 else 5e-2):
-                    raise SystemExit(f"*** WRONG RESULT: decode step {label} {dtype}: relative error {err:.2e} ***")
+                t_step, o_step, l_step = decode_step(*cfg, dtype)
+                a = t_step()
+                for b in (o_step(), l_step()):
+                    err = float((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-6))
+                    if err > (1e-4 if dtype == torch.float32 else 5e-2):
+                        raise SystemExit(f"*** WRONG RESULT: decode step {label} {dtype}: relative error {err:.2e} ***")
                 number = number_for(t_step)
-                med = round_robin({"torch": t_step, "tensor_ops": o_step}, number, repeat)
+                med = round_robin({"torch": t_step, "tensor_ops": o_step, "tensor_ops linear": l_step}, number, repeat)
                 out["decode"][f"{label} {dtype_name(dtype)}"] = med
                 print(f"  {threads}T decode {label} {dtype}: " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in med.items()),
                       file=sys.stderr, flush=True)
@@ -245,10 +250,13 @@ def markdown(report: dict) -> str:
             lines.append(f"| {key} | {ref * 1e6:.2f} | {cell('tensor_ops fn')} | {cell('functional')} | "
                          f"{cell('torch.ops')} | {'—' if mod is None else f'{mod * 1e6:.2f}'} | "
                          f"{cell('module', mod) if mod else '—'} |")
-        lines += ["", "| decode step (one layer) | torch µs | tensor_ops µs | speedup |", "|---|---:|---:|---:|"]
+        lines += ["", "| decode step (one layer) | torch µs | tensor_ops, torch's GEMMs µs | speedup | "
+                  "tensor_ops, our linear µs | speedup |", "|---|---:|---:|---:|---:|---:|"]
         for key, med in run["decode"].items():
+            lin = med.get("tensor_ops linear")
             lines.append(f"| {key} | {med['torch'] * 1e6:.1f} | {med['tensor_ops'] * 1e6:.1f} | "
-                         f"{med['torch'] / med['tensor_ops']:.2f}x |")
+                         f"{med['torch'] / med['tensor_ops']:.2f}x | "
+                         + ("— | — |" if lin is None else f"{lin * 1e6:.1f} | {med['torch'] / lin:.2f}x |"))
         lines.append("")
     return "\n".join(lines)
 
