@@ -130,7 +130,11 @@ def conv1d_class() -> type:
     backend). Made on first use: transformers stays optional."""
     global _CONV1D
     if _CONV1D is None:
-        from transformers.pytorch_utils import Conv1D as HFConv1D
+        try:
+            from transformers.pytorch_utils import Conv1D as HFConv1D
+        except ImportError as e:
+            raise ImportError(f"tensor_ops.torch.Conv1D subclasses transformers' Conv1D: pip install transformers "
+                              f"({e})") from e
 
         class Conv1D(HFConv1D):
             __doc__ = conv1d_class.__doc__
