@@ -183,7 +183,9 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
   // cross_entropy takes grad_scale alone or with label_smoothing, z_loss, softcap.
   const bool ce_options = op == OpId::cross_entropy && n_scalars == 4;
   counts("scalars", n_scalars, ce_options ? 4 : s.n_scalars, scalars);
-  counts("ints", n_ints, s.n_ints, ints);
+  // linear takes its weight layout or nothing (weight [N, K], as before the layout existed).
+  const bool linear_layout = op == OpId::linear && n_ints == 1;
+  counts("ints", n_ints, linear_layout ? 1 : s.n_ints, ints);
   const Tensor* in[TENSOR_OPS_MAX_OP_TENSORS] = {};
   const Tensor* out[TENSOR_OPS_MAX_OP_TENSORS] = {};
   for (int i = 0; i < s.n_in; ++i)
@@ -221,7 +223,9 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
       cross_entropy(*in[0], *in[1], *out[0], out[1], ints[0], scalars[0], ce_options ? scalars[1] : 0.0,
                     ce_options ? scalars[2] : 0.0, ce_options ? scalars[3] : 0.0);
       break;
-    case OpId::linear: linear(*in[0], *in[1], in[2], *out[0]); break;
+    case OpId::linear:
+      linear(*in[0], *in[1], in[2], *out[0], linear_layout ? WeightLayout(ints[0]) : WeightLayout::NK);
+      break;
   }
 }
 

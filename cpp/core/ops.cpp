@@ -679,17 +679,24 @@ void cross_entropy(const Tensor& logits, const Tensor& target, const Tensor& los
   launch(OpId::cross_entropy, {&logits, &target}, {&loss, dlogits}, call, /*full=*/true);
 }
 
-void linear(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& out) {
+void linear(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& out, WeightLayout layout) {
   const char* op = "linear";
+  if (layout != WeightLayout::NK && layout != WeightLayout::KN)
+    throw InvalidArgument("linear: weight_layout must be 0 (nk: weight [out_features, in_features]) or 1 (kn: "
+                          "weight [in_features, out_features]), got " + std::to_string(int64_t(layout)));
+  const bool kn = layout == WeightLayout::KN;
   check_float(op, "x", x);
   check_rank(op, x, 1);
   check_dtype_match(op, "weight", weight, x);
   check_same_device(op, "weight", weight, x);
   const int64_t K = x.shape().back();
-  if (weight.ndim() != 2 || weight.shape()[1] != K)
-    throw InvalidArgument("linear: weight must be [out_features, " + std::to_string(K) + "] to match x " +
-                          x.describe() + ", got " + weight.describe());
-  const int64_t N = weight.shape()[0];
+  if (weight.ndim() != 2 || weight.shape()[kn ? 0 : 1] != K)
+    throw InvalidArgument(kn ? "linear: weight must be [" + std::to_string(K) +
+                                   ", out_features] (weight_layout kn: x @ weight) to match x " + x.describe() +
+                                   ", got " + weight.describe()
+                             : "linear: weight must be [out_features, " + std::to_string(K) + "] to match x " +
+                                   x.describe() + ", got " + weight.describe());
+  const int64_t N = weight.shape()[kn ? 1 : 0];
   if (bias) {
     check_dtype_match(op, "bias", *bias, x);
     check_same_device(op, "bias", *bias, x);
@@ -714,6 +721,7 @@ void linear(const Tensor& x, const Tensor& weight, const Tensor* bias, const Ten
   if (out.numel() == 0) return;  // K = 0 still writes out: bias or zeros
   to_op_call call{};
   call.ints[0] = bias != nullptr;
+  call.ints[1] = int64_t(layout);
   launch(OpId::linear, {&x, &weight, bias}, {&out}, call);
 }
 

@@ -535,8 +535,9 @@ int cross_entropy_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
   return 0;
 }
 
-// ---- linear: items are blocks of rows of w ---------------------------------
+// ---- linear: items are blocks of rows of w (of columns of a [K, N] w) -----
 
+#include "linear_kn.h"
 #include "linear_rows.h"
 
 #define TENSOR_OPS_DTYPE_DISPATCH(fn)                                                \

@@ -82,9 +82,10 @@ inline void linear_block(const to_op_call& c, const float* X, int64_t xs, int64_
 
 // Items: blocks of linear_rows_per_item (linear_items.h) rows of w, each
 // read by every group of four rows of x in turn. scratch (16-bit x): x in
-// fp32, [M][K].
+// fp32, [M][K]. A [K, N] w (ints[1]): linear_kn.h.
 template <DType D>
 int linear_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
+  if (c.ints[1]) return linear_kn_k<D>(c, i0, i1, scratch);
   const to_tensor &x = c.inputs[0], &w = c.inputs[1];
   const int64_t M = x.shape[0], K = x.shape[1], N = w.shape[0];
   const int64_t per = linear_rows_per_item(K, int64_t(dtype_size(D)));

@@ -280,21 +280,24 @@ void init_ops(nb::module_& m) {
       nb::arg("bf16") = false);
   m.def(
       "linear",
-      [](Array x, Array w, Array b, Array out, bool bf16) {
+      [](Array x, Array w, Array b, Array out, int64_t weight_layout, bool bf16) {
         Tensor tx = to_tensor(x, "x", bf16), tw = to_tensor(w, "weight", bf16);
         Opt tb(b, "bias", bf16);
         nb::object made;
-        std::vector<int64_t> shape = tx.shape();  // x's with the last dim weight's rows
-        if (!shape.empty()) shape.back() = tw.ndim() == 2 ? tw.shape()[0] : 0;
+        // x's shape with the last dim out_features: weight's rows (nk) or columns (kn)
+        std::vector<int64_t> shape = tx.shape();
+        if (!shape.empty()) shape.back() = tw.ndim() == 2 ? tw.shape()[weight_layout == 1 ? 1 : 0] : 0;
         Tensor to = output(out, x, tx, std::move(shape), tx.dtype(), "out", bf16, made);
         {
           ReleaseIfBig release(tw);
-          linear(tx, tw, tb.get(), to);
+          linear(tx, tw, tb.get(), to, WeightLayout(weight_layout));
         }
         return made_or_none(made);
       },
-      nb::arg("x"), nb::arg("weight"), nb::arg("bias").none(), nb::arg("out").none(), nb::arg("bf16") = false,
-      "out = x weight^T (+ bias) for a few rows of x (validated by the core).");
+      nb::arg("x"), nb::arg("weight"), nb::arg("bias").none(), nb::arg("out").none(), nb::arg("weight_layout") = 0,
+      nb::arg("bf16") = false,
+      "out = x weight^T (weight_layout 0: weight [N, K]) or x weight (1: weight [K, N]) (+ bias) for a few "
+      "rows of x (validated by the core).");
   m.def(
       "data_ptr",
       [](const Array& x) {

@@ -39,19 +39,20 @@ class OpEntry(NamedTuple):
     like: tuple[int, ...]
     optional: int = -1  # the array argument that may be None (layer_norm's bias), else -1
     index: int = -1  # the integer array argument (rope's positions): any dtype, else -1
-    # the output's shape from the arrays, when it is not its `like` argument's (linear: x's with the
-    # last dim weight's rows); single-output ops only
-    shape: Optional[Callable[[tuple], tuple]] = None
+    # the output's shape from the arrays and the extra arguments, when it is not its `like`
+    # argument's (linear: x's with the last dim weight's rows, or columns); single-output ops only
+    shape: Optional[Callable[[tuple, tuple], tuple]] = None
 
 
 LSE = -1  # attention's log-sum-exp output
 
 
-def _linear_shape(arrays: tuple) -> tuple:
-    """linear's output: x's shape with its last dim weight's rows (shapes the
-    core refuses give some shape; the core's error names the real ones)."""
+def _linear_shape(arrays: tuple, extra: tuple) -> tuple:
+    """linear's output: x's shape with its last dim weight's rows, or its
+    columns when extra holds weight_layout 1 ("kn": weight [K, N]) (shapes
+    the core refuses give some shape; the core's error names the real ones)."""
     x, w = arrays[0].shape, arrays[1].shape
-    return tuple(x[:-1]) + (w[0] if len(w) == 2 else 0,) if len(x) else ()
+    return tuple(x[:-1]) + (w[1 if extra and extra[0] == 1 else 0] if len(w) == 2 else 0,) if len(x) else ()
 
 
 TABLE: dict[str, OpEntry] = {
@@ -93,7 +94,7 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
                         continue
                     return None
         if e.shape is not None:
-            return _into(e, arrays, (_np_empty(e.shape(arrays), dt),), extra)
+            return _into(e, arrays, (_np_empty(e.shape(arrays, extra), dt),), extra)
         if len(like) == 1:
             a = arrays[like[0]]
             return _into(e, arrays, (_np_empty(a.shape, dt) if a.nbytes < POOL_OUTPUT_BYTES else fast_out(a),), extra)
@@ -149,7 +150,7 @@ def invoke(name: str, arrays: tuple, extra: tuple = (), out=None):
     if out is not None:
         return call(e.fn, args, out, *extra)
     if e.shape is not None:
-        outs = [empty_like(args[0], e.shape(tuple(None if a is None else a.array for a in args)))]
+        outs = [empty_like(args[0], e.shape(tuple(None if a is None else a.array for a in args), extra))]
     else:
         outs = [empty_like(args[0], tuple(args[0].array.shape)[:-1], "float32") if i == LSE else empty_like(args[i])
                 for i in e.like]

@@ -328,15 +328,24 @@ def cross_entropy_with_grad(logits: Array, target: Array, ignore_index: int = -1
     return _ce(logits, target, ignore_index, reduction, True, label_smoothing, z_loss, softcap, inplace)
 
 
-def linear(x: Array, weight: Array, bias: Array | None = None, *, out: Array | None = None) -> Array:
+WEIGHT_LAYOUTS = ("nk", "kn")
+
+
+def linear(x: Array, weight: Array, bias: Array | None = None, *, weight_layout: str = "nk",
+           out: Array | None = None) -> Array:
     """x @ weight.T + bias (torch.nn.functional.linear's op): x [..., K],
-    weight [N, K], bias [N] (optional), one dtype -> [..., N]. Made for a
-    few rows of x (decode: batch x new tokens; many rows work, slower than a
-    GEMM library): weight read once, in place, with fp32 accumulation, and
-    every output element summed in one fixed order, the same bits on any
-    number of threads. K = 0 gives the bias (or zeros)."""
+    weight [N, K], bias [N] (optional), one dtype -> [..., N]; with
+    weight_layout="kn", weight is [K, N] and the op is x @ weight + bias
+    (transformers' Conv1D, GPT-2). Made for a few rows of x (decode: batch x
+    new tokens; many rows work, slower than a GEMM library): weight read
+    once, in place, with fp32 accumulation, and every output element summed
+    in one fixed order, the same bits on any number of threads. K = 0 gives
+    the bias (or zeros). A weight whose rows are not contiguous (a
+    transposed view) is copied first: pass the weight as it is stored, with
+    the layout that names it."""
+    kn = _checks.choice("weight_layout", weight_layout, WEIGHT_LAYOUTS) == "kn"
     try:
-        return invoke("linear", (x, weight, bias), (), out)
+        return invoke("linear", (x, weight, bias), (1,) if kn else (), out)  # 1: WeightLayout::KN
     except ExternalBackendSelected:  # the XLA shim has no linear (backends._SHIM_LACKS)
         raise UnsupportedError(f"op linear is not implemented by backend '{_C.selected_backend()}' (the XLA "
                                "shim); select the cpu backend for it") from None

@@ -326,6 +326,14 @@ std::vector<Row> all_rows() {
     }
     if (t.op == OpId::glu || t.op == OpId::glu_backward || t.op == OpId::activation_backward)
       add("bad_activation", Outcome::InvalidArgument, [](CallSpec& c) { c.ints[0] = 7; });
+    if (t.op == OpId::linear) {  // its one optional int: the weight layout (0 nk [N, K], 1 kn [K, N])
+      add("bad_weight_layout", Outcome::InvalidArgument, [](CallSpec& c) { c.ints = {2}; });
+      add("weight_layout_kn", Outcome::Ok, [](CallSpec& c) {
+        c.ints = {1};
+        std::swap(c.in[1].shape[0], c.in[1].shape[1]);
+      });
+      add("weight_layout_kn_given_nk_weight", Outcome::InvalidArgument, [](CallSpec& c) { c.ints = {1}; });
+    }
     for (int i = 0; i < base.n_slots(); ++i)
       if (base.slot(i).role == Role::Index)
         add(base.slot(i).name + "_out_of_range", Outcome::InvalidArgument,
@@ -482,7 +490,7 @@ void run_cpp_op(const CallSpec& c, const std::vector<Tensor>& t) {
       attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], out(0), out(1), out(2), i0 != 0, s0);
       break;
     case OpId::cross_entropy: cross_entropy(in[0], in[1], out(0), &out(1), i0, s0); break;
-    case OpId::linear: linear(in[0], in[1], &in[2], out(0)); break;
+    case OpId::linear: linear(in[0], in[1], &in[2], out(0), WeightLayout(i0)); break;
   }
 }
 

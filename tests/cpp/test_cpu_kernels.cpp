@@ -326,6 +326,54 @@ TEST_P(KernelTest, LinearMatchesReferenceAndIsBatchInvariant) {
         }
 }
 
+// linear with a [K, N] weight (WeightLayout::KN, Note [linear kn]) against
+// float64 sums, with and without bias, the weight's rows padded (a row
+// stride past N) or not; each row of x alone gives the batch's bits, and one
+// thread gives the bits of all of them.
+TEST_P(KernelTest, LinearKnMatchesReferenceAndIsBatchAndThreadInvariant) {
+  const uint32_t seed = 78;
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  auto random = [&](int64_t n) {
+    HostBuffer b(dtype(), std::max<int64_t>(n, 1));
+    for (int64_t i = 0; i < n; ++i) b.set(i, dist(rng));
+    return b;
+  };
+  const int threads = cpu::num_threads();
+  for (int64_t M : {1, 3, 5, 16})
+    for (int64_t K : {1, 7, 64, 513})
+      for (int64_t N : {1, 9, 65, 300})
+        for (int64_t pad : {0, 3}) {
+          const bool with_bias = (M + N + pad) % 2 == 1;
+          SCOPED_TRACE("linear kn " + std::string(dtype_name(dtype())) + " M " + std::to_string(M) + " K " +
+                       std::to_string(K) + " N " + std::to_string(N) + " pad " + std::to_string(pad) +
+                       (with_bias ? " bias" : ""));
+          const int64_t ws = N + pad;
+          HostBuffer x = random(M * K), w = random(K * ws), b = random(N), y(dtype(), M * N), row(dtype(), N),
+                     one(dtype(), M * N);
+          const Tensor tb = b.tensor({N}), tw = w.tensor({K, N}, {ws, 1});
+          const Tensor* bias = with_bias ? &tb : nullptr;
+          linear(x.tensor({M, K}), tw, bias, y.tensor({M, N}), WeightLayout::KN);
+          std::vector<double> ref(size_t(M * N));
+          for (int64_t r = 0; r < M; ++r)
+            for (int64_t n = 0; n < N; ++n) {
+              double s = with_bias ? b.get(n) : 0.0;
+              for (int64_t k = 0; k < K; ++k) s += double(x.get(r * K + k)) * w.get(k * ws + n);
+              ref[size_t(r * N + n)] = s;
+            }
+          EXPECT_TRUE(matches_reference(y, M, N, N, ref));
+          for (int64_t r = 0; r < M; ++r) {
+            linear(x.tensor({1, K}, {}, {}, r * K), tw, bias, row.tensor({1, N}), WeightLayout::KN);
+            for (int64_t n = 0; n < N; ++n) ASSERT_EQ(row.bits(n), y.bits(r * N + n)) << "row " << r << " col " << n;
+          }
+          cpu::set_num_threads(1);
+          linear(x.tensor({M, K}), tw, bias, one.tensor({M, N}), WeightLayout::KN);
+          cpu::set_num_threads(threads);
+          for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(one.bits(i), y.bits(i)) << "1 thread, element " << i;
+        }
+}
+
 std::string kernel_test_name(const ::testing::TestParamInfo<KernelTest::ParamType>& info) {
   return std::get<0>(info.param) + "_" + dtype_name(std::get<1>(info.param));
 }
@@ -403,6 +451,24 @@ TEST_F(OpErrors, WeightMustMatchTheLastDimension) {
   EXPECT_THAT(msg, HasSubstr("float32[65]"));
   EXPECT_THROW(rms_norm(x_, Tensor(ws_.data(), DType::Float32, {1, 64}), y_), InvalidArgument);
   EXPECT_THROW(rms_norm(x_, Tensor(ws_.data(), DType::Float32, {}), y_), InvalidArgument);
+}
+
+// A [K, N] weight (WeightLayout::KN): its first dim must be x's last; the
+// message names the layout and both shapes. A layout other than 0 or 1 is refused.
+TEST_F(OpErrors, LinearKnWeightShapeAndLayout) {
+  std::vector<float> w(64 * 5, 1.0f), y(3 * 5, 0.0f);
+  const Tensor out(y.data(), DType::Float32, {3, 5});
+  EXPECT_NO_THROW(linear(x_, Tensor(w.data(), DType::Float32, {64, 5}), nullptr, out, WeightLayout::KN));
+  const std::string msg = thrown_message<InvalidArgument>(
+      [&] { linear(x_, Tensor(w.data(), DType::Float32, {5, 64}), nullptr, out, WeightLayout::KN); });
+  EXPECT_THAT(msg, HasSubstr("[64, out_features]"));
+  EXPECT_THAT(msg, HasSubstr("kn"));
+  EXPECT_THAT(msg, HasSubstr("float32[5, 64]"));
+  EXPECT_THAT(msg, HasSubstr("float32[3, 64]"));
+  EXPECT_THAT(thrown_message<InvalidArgument>([&] {
+                linear(x_, Tensor(w.data(), DType::Float32, {64, 5}), nullptr, out, WeightLayout(2));
+              }),
+              HasSubstr("got 2"));
 }
 
 TEST_F(OpErrors, MixedDTypes) {

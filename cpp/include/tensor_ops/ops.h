@@ -77,10 +77,15 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 void cross_entropy(const Tensor& logits, const Tensor& target, const Tensor& loss, const Tensor* dlogits,
                    int64_t ignore_index, double grad_scale, double label_smoothing = 0, double z_loss = 0,
                    double softcap = 0);
-// linear: in x [..., K], weight [N, K], bias? [N] -> out [..., N] = x weight^T (+ bias), fp32
-// accumulation; ints[0] has_bias. Kernels get x and out as [M, K] / [M, N] rows. For a few rows
+// How linear's weight is stored: NK [out_features N, in_features K] (nn.Linear, F.linear: x weight^T)
+// or KN [K, N] (transformers' Conv1D: x weight). The value is linear's ints[1].
+enum class WeightLayout : int64_t { NK = 0, KN = 1 };
+// linear: in x [..., K], weight [N, K] (NK) or [K, N] (KN), bias? [N] -> out [..., N] = x weight^T
+// (NK) or x weight (KN) (+ bias), fp32 accumulation; ints[0] has_bias, ints[1] the WeightLayout.
+// Kernels get x, weight and out as rows ([M, K], weight's rows as stored, [M, N]). For a few rows
 // of x (decode); each output element is summed in one fixed order (no split of K).
-void linear(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& out);
+void linear(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& out,
+            WeightLayout layout = WeightLayout::NK);
 
 // Name of the backend an op with these tensors would run on.
 std::string backend_for(const Tensor& x);

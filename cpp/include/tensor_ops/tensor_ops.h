@@ -127,6 +127,8 @@ TENSOR_OPS_API to_status to_op_id(const char* name, int32_t* op);
  *   attention_backward    6   3   scale          causal
  *   cross_entropy         2   2   grad_scale     ignore_index   (dlogits optional; 4 scalars:
  *                                 [, label_smoothing, z_loss, softcap])
+ *   linear                3   1   -              [weight_layout] (bias optional; weight_layout 0:
+ *                                 weight [N, K], x weight^T, the default; 1: weight [K, N], x weight)
  * scalars / ints may be NULL when their count is 0. */
 TENSOR_OPS_API to_status to_op_run(int32_t op, const to_tensor_h* inputs, int32_t n_inputs, const to_tensor_h* outputs,
                                    int32_t n_outputs, const double* scalars, int32_t n_scalars, const int64_t* ints,

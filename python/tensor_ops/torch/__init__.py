@@ -19,6 +19,16 @@ from .linear_cross_entropy import FusedLinearCrossEntropyLoss, fused_linear_cros
 from .fused_linear import FusedLinearGELU, FusedLinearSiLU, linear_activation, prepare_model_with_custom_kernels
 from tensor_ops import BackendUnavailableError, DeviceInfo
 
+
+
+def __getattr__(name: str):
+    if name == "Conv1D":  # transformers' Conv1D on our linear kernel, made on first use (modules.conv1d_class)
+        from .modules import conv1d_class
+
+        return conv1d_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "OPS", "FUNCTIONS", "Backend", "BackendFactory", "BackendType", "detect_best_backend", "get_backend",
     "list_available_backends", "DeviceInfo", "BackendUnavailableError",

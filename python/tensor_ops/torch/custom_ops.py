@@ -423,26 +423,37 @@ _register(cross_entropy,
           _ce_setup, _ce_bwd)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """x @ weight.T + bias (F.linear) on our kernel: made for a few rows of
-    x (decode), fp32 accumulation, the same bits on any thread count."""
-    return _to.linear(_c(x), _c(weight), _c(bias))
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, weight_layout: str = "nk") -> Tensor:
+    """x @ weight.T + bias (F.linear; weight [N, K]) or, weight_layout "kn",
+    x @ weight + bias (weight [K, N], transformers' Conv1D) on our kernel:
+    made for a few rows of x (decode), fp32 accumulation, the same bits on
+    any thread count."""
+    return _to.linear(_c(x), _c(weight), _c(bias), weight_layout=weight_layout)
+
+
+def _linear_fake(x, weight, bias=None, weight_layout="nk"):
+    return x.new_empty((*x.shape[:-1], weight.shape[1 if weight_layout == "kn" else 0]))
 
 
 def _linear_setup(ctx, inputs, output):
-    x, weight, bias = inputs
+    x, weight, bias, *layout = inputs
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
+    ctx.kn = bool(layout) and layout[0] == "kn"
 
 
 def _linear_bwd(ctx, dy, k):
-    # torch's GEMMs: the gradients are GEMMs over every row, not few-row products.
+    # torch's GEMMs: the gradients are GEMMs over every row, not few-row products. dw in weight's
+    # own layout ([N, K], or [K, N] for "kn").
     x, weight = ctx.saved_tensors
-    dy2 = dy.reshape(-1, weight.shape[0])
-    dx = (dy2 @ weight).view(x.shape)
-    dw = dy2.t() @ x.reshape(-1, weight.shape[1])
-    return dx, dw, (dy2.sum(0) if ctx.has_bias else None)
+    n = weight.shape[1 if ctx.kn else 0]
+    dy2 = dy.reshape(-1, n)
+    x2 = x.reshape(-1, x.shape[-1])
+    if ctx.kn:
+        dx, dw = dy2 @ weight.t(), x2.t() @ dy2
+    else:
+        dx, dw = dy2 @ weight, dy2.t() @ x2
+    return dx.view(x.shape), dw, (dy2.sum(0) if ctx.has_bias else None), None
 
 
-_register(linear, lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0])), _linear_setup,
-          _linear_bwd)
+_register(linear, _linear_fake, _linear_setup, _linear_bwd)

@@ -68,9 +68,11 @@ def log_softmax(x, dim: int = -1, scale: float = 1.0, causal: bool = False):
     return _run("log_softmax", x, dim, scale, causal)
 
 
-def linear(x, weight, bias=None):
-    """x @ weight.T + bias (F.linear) on our few-row kernel (see tensor_ops.linear)."""
-    return _run("linear", x, weight, bias)
+def linear(x, weight, bias=None, weight_layout: str = "nk"):
+    """x @ weight.T + bias (F.linear), or x @ weight + bias with
+    weight_layout="kn" (weight [K, N], transformers' Conv1D), on our few-row
+    kernel (see tensor_ops.linear)."""
+    return _run("linear", x, weight, bias, weight_layout)
 
 
 def swiglu(gate, up):

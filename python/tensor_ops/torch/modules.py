@@ -80,16 +80,18 @@ _is_grad_enabled = torch.is_grad_enabled
 _is_autocast_enabled = torch.is_autocast_enabled
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """x @ weight.T + bias on tensor_ops' linear kernel when the call is a
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                weight_layout: str = "nk") -> Optional[torch.Tensor]:
+    """x @ weight.T + bias (weight [N, K]; weight_layout "kn": x @ weight +
+    bias, weight [K, N]) on tensor_ops' linear kernel when the call is a
     few-row product it is made for: plain CPU tensors of one float dtype, at
     most LINEAR_MAX_ROWS rows, nothing to differentiate, no autocast, not
-    traced, a backend with the kernel; None otherwise (run F.linear).
+    traced, a backend with the kernel; None otherwise (run torch's).
     torch's CPU F.linear reads a [N, K] weight for one row at a fraction of
     the bandwidth its GEMMs reach (~15 GB/s fp32, ~5-10 GB/s bf16 here)."""
     if _is_compiling():
-        return None  # traced: F.linear, which the compiler knows
-    k = weight.shape[-1]
+        return None  # traced: torch's op, which the compiler knows
+    k = weight.shape[0 if weight_layout == "kn" else -1]
     if (type(x) is not torch.Tensor or not x.is_cpu or x.dtype not in _LINEAR_DTYPES or weight.dtype != x.dtype
             or not weight.is_cpu or k == 0 or x.numel() > LINEAR_MAX_ROWS * k
             or (bias is not None and (bias.dtype != x.dtype or not bias.is_cpu))):
@@ -99,7 +101,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     if _is_autocast_enabled("cpu"):
         return None  # F.linear casts under autocast; we would not
     try:
-        return _to.linear(x, weight, bias)
+        return _to.linear(x, weight, bias) if weight_layout == "nk" else _to.linear(x, weight, bias, weight_layout="kn")
     except UnsupportedError:
         return None  # the active backend has no linear kernel (or the XLA shim is selected)
 
@@ -113,6 +115,43 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear_rows(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) if y is None else y
+
+
+_CONV1D: Optional[type] = None
+
+
+def conv1d_class() -> type:
+    """tensor_ops.torch.Conv1D: a subclass of transformers' Conv1D (GPT-2's
+    c_attn, c_proj, c_fc: weight [in, out], x @ weight + bias) whose few-row
+    calls (decode: at most LINEAR_MAX_ROWS rows, no gradient; linear_rows)
+    run tensor_ops' linear kernel on the weight as stored (weight_layout
+    "kn"), every other call Conv1D's own forward. The same parameters and
+    state_dict; prepare_model swaps Conv1D for it (a class swap, on the CPU
+    backend). Made on first use: transformers stays optional."""
+    global _CONV1D
+    if _CONV1D is None:
+        try:
+            from transformers.pytorch_utils import Conv1D as HFConv1D
+        except ImportError as e:
+            raise ImportError(f"tensor_ops.torch.Conv1D subclasses transformers' Conv1D: pip install transformers "
+                              f"({e})") from e
+
+        class Conv1D(HFConv1D):
+            __doc__ = conv1d_class.__doc__
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                y = linear_rows(x, self.weight, self.bias, "kn")
+                return super().forward(x) if y is None else y
+
+        Conv1D.__module__, Conv1D.__qualname__ = __name__, "Conv1D"  # pickles as tensor_ops.torch.modules.Conv1D
+        _CONV1D = Conv1D
+    return _CONV1D
+
+
+def __getattr__(name: str):
+    if name == "Conv1D":  # made on first use (transformers imported then)
+        return conv1d_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _glu_activation(name: str) -> str:

@@ -149,14 +149,21 @@ def _swap_modules(m: nn.Module, path: str, warnings: List[str], counts: collecti
 
 
 def _swap_linears(model: nn.Module, counts: collections.Counter) -> None:
-    """Every nn.Linear (exactly: subclasses have forwards of their own) at
-    any depth becomes tensor_ops.torch.Linear, in place (a class swap): its
-    few-row calls (decode) run our linear kernel. Last, after the swaps that
-    look for nn.Linear children (gated MLPs, Linear + activation pairs)."""
+    """Every nn.Linear and transformers Conv1D (exactly: subclasses have
+    forwards of their own, as the Conv1D + activation epilogue hf.py makes)
+    at any depth becomes tensor_ops.torch.Linear / Conv1D, in place (a class
+    swap): its few-row calls (decode) run our linear kernel. Last, after the
+    swaps that look for nn.Linear / Conv1D children (gated MLPs, Linear +
+    activation pairs)."""
+    # Conv1D is transformers': looked up only where transformers is imported (a model holding one imported it).
+    hf_conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
     for m in model.modules():
         if type(m) is nn.Linear:
             m.__class__ = modules.Linear
             counts["Linear -> tensor_ops.torch.Linear"] += 1
+        elif hf_conv1d is not None and type(m) is hf_conv1d:
+            m.__class__ = modules.conv1d_class()
+            counts["Conv1D -> tensor_ops.torch.Conv1D"] += 1
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
@@ -197,8 +204,9 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
     O1 also swaps nn.RMSNorm / LayerNorm / SiLU / GELU for tensor_ops.torch's
     modules and HF-style gated MLPs (gate_proj, up_proj, down_proj, act_fn)
     and HF RMSNorms for SwiGLU / RMSNorm holding the same Parameters (the
-    state_dict keys do not change), and on the CPU backend nn.Linear for
-    tensor_ops.torch.Linear (few-row calls, decode, on our linear kernel);
+    state_dict keys do not change), and on the CPU backend nn.Linear and
+    transformers' Conv1D (GPT-2) for tensor_ops.torch.Linear / Conv1D
+    (few-row calls, decode, on our linear kernel);
     on a transformers model, O1 also runs
     tensor_ops.torch.hf.prepare_hf_model (Gemma norms, fused gate/up MLPs,
     Linear + activation epilogues, activations, RoPE, attention through
