@@ -335,8 +335,11 @@ def _gpt2(transformers):
 def test_gpt2_prepared_decodes_on_our_kernel(monkeypatch):
     """GPT-2 at O1 on the CPU backend: c_attn, attn.c_proj and mlp.c_proj
     become tensor_ops.torch.Conv1D (mlp.c_fc stays the Linear + GELU
-    epilogue), reported as swapped; prefill and each decode step's logits
-    within 1e-5 of the original's; greedy generation gives the same tokens."""
+    epilogue, whose few-row GEMM is our kernel too), reported as swapped;
+    every decode step's four projections per layer on our kernel (at two
+    threads: float32 [K, N] takes torch's addmm on one); prefill and each
+    decode step's logits within 1e-5 of the original's; greedy generation
+    gives the same tokens."""
     transformers = _transformers()
     import tensor_ops.torch as tt
 
@@ -358,6 +361,16 @@ def test_gpt2_prepared_decodes_on_our_kernel(monkeypatch):
                                                                            and kn_calls.append(x.shape))
                         or real(x, w, b, **kw))
     prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    old_threads = _C.cpu_num_threads()
+    _C.cpu_set_num_threads(2)
+    try:
+        ref_tokens, tokens = _decode_steps_on_our_kernel(original, model, prompt, n_layer, kn_calls)
+    finally:
+        _C.cpu_set_num_threads(old_threads)
+    assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
+
+
+def _decode_steps_on_our_kernel(original, model, prompt, n_layer, kn_calls):
     with torch.no_grad():
         ref_out = original(prompt, use_cache=True)
         out = model(prompt, use_cache=True)
@@ -368,13 +381,13 @@ def test_gpt2_prepared_decodes_on_our_kernel(monkeypatch):
             kn_calls.clear()
             ref_out = original(token, past_key_values=ref_past, use_cache=True)
             out = model(token, past_key_values=past, use_cache=True)
-            assert len(kn_calls) == 3 * n_layer, f"decode step {step}: {len(kn_calls)} Conv1D calls on our kernel"
+            assert len(kn_calls) == 4 * n_layer, f"decode step {step}: {len(kn_calls)} Conv1D calls on our kernel"
             torch.testing.assert_close(out.logits, ref_out.logits, rtol=1e-5, atol=1e-5)
             ref_past, past = ref_out.past_key_values, out.past_key_values
             token = ref_out.logits[:, -1:].argmax(-1)
         ref_tokens = original.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
         tokens = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
+    return ref_tokens, tokens
 
 
 @needs_torch
@@ -393,3 +406,66 @@ def test_conv1d_without_transformers_says_so(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     _, result = tt.prepare_model(model, "O1", backend="cpu")
     assert result.metrics["replacements"] == {"Linear -> tensor_ops.torch.Linear": 1}
+
+
+@needs_torch
+def test_fp32_kn_rows_take_torch_on_one_thread():
+    """modules.linear_rows leaves a float32 [K, N] weight to torch's addmm on
+    one thread (measured faster there), and takes it on two; bf16 and the
+    [N, K] layout are ours either way."""
+    from tensor_ops.torch.modules import linear_rows
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, 8, generator=g), torch.randn(8, 5, generator=g)
+    old = _C.cpu_num_threads()
+    try:
+        _C.cpu_set_num_threads(1)
+        assert linear_rows(x, w, None, "kn") is None
+        assert linear_rows(x.bfloat16(), w.bfloat16(), None, "kn") is not None
+        assert linear_rows(x, w.t().contiguous(), None) is not None
+        _C.cpu_set_num_threads(2)
+        y = linear_rows(x, w, None, "kn")
+        assert y is not None and torch.allclose(y, x @ w, rtol=1e-5, atol=1e-6)
+    finally:
+        _C.cpu_set_num_threads(old)
+
+
+@needs_torch
+@pytest.mark.parametrize("conv1d_view", [False, True])
+def test_linear_activation_few_rows_on_our_linear(monkeypatch, conv1d_view):
+    """fused_linear.linear_activation (GPT-2's c_fc + GELU, NeoX / BERT dense +
+    act) runs a few-row call without gradient on our linear kernel, on the
+    weight as stored (a Conv1D's [in, out] weight arrives as its transposed
+    view), inside autograd's Function too; the output and the weight's
+    gradient equal torch's linear + activation."""
+    from tensor_ops.torch.fused_linear import linear_activation
+    calls = []
+    real = tensor_ops.linear
+
+    def counting(*a, **k):
+        calls.append(k.get("weight_layout", "nk"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(tensor_ops, "linear", counting)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 2, 24, generator=g)
+    stored = torch.randn(24, 40, generator=g) if conv1d_view else torch.randn(40, 24, generator=g)
+    weight = stored.t() if conv1d_view else stored  # [out, in] as linear_activation takes it
+    bias = torch.randn(40, generator=g)
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias))
+    old = _C.cpu_num_threads()
+    try:
+        _C.cpu_set_num_threads(2)
+        with torch.no_grad():
+            got = linear_activation(x, weight, bias, "gelu")
+        assert calls == ["kn" if conv1d_view else "nk"]
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+        w = stored.detach().clone().requires_grad_()
+        got = linear_activation(x, w.t() if conv1d_view else w, bias, "gelu")
+        got.sum().backward()
+        w_ref = stored.detach().clone().requires_grad_()
+        F = torch.nn.functional
+        F.gelu(F.linear(x, w_ref.t() if conv1d_view else w_ref, bias)).sum().backward()
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+    finally:
+        _C.cpu_set_num_threads(old)

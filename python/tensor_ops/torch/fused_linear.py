@@ -2,7 +2,8 @@
 prepare_model_with_custom_kernels).
 
 The GEMM is torch's (addmm: MKL / oneDNN on the CPU, cuBLAS / hipBLAS on
-GPUs, with the bias folded into the GEMM); the activation is our kernel run
+GPUs, with the bias folded into the GEMM), or for a few rows with nothing to
+differentiate (decode) our linear kernel (modules.linear_rows); the activation is our kernel run
 in place on the GEMM's output, so there is no second output tensor and no
 extra pass through torch's dispatcher. Without autograd (inference, or
 torch.no_grad) that is the whole forward. With autograd the pre-activation
@@ -21,11 +22,20 @@ from torch import nn
 import tensor_ops as _to
 
 from . import functional as ops
+from .modules import LINEAR_MAX_ROWS, linear_rows
 
 _log = logging.getLogger("tensor_ops")
 
 
 def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    if x2.shape[0] <= LINEAR_MAX_ROWS:
+        # A few rows (decode): our linear kernel where it applies (linear_rows:
+        # no gradient to record, plain CPU tensors), on the weight as stored:
+        # a Conv1D's [in, out] weight arrives as its transposed view.
+        kn = not weight.is_contiguous() and weight.t().is_contiguous()
+        y = linear_rows(x2, weight.t() if kn else weight, bias, "kn" if kn else "nk")
+        if y is not None:
+            return y
     return torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
 
 

@@ -78,6 +78,7 @@ _LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _is_autocast_enabled = torch.is_autocast_enabled
+_cpu_threads = _to._C.cpu_num_threads
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -100,6 +101,12 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return None
     if _is_autocast_enabled("cpu"):
         return None  # F.linear casts under autocast; we would not
+    if weight_layout == "kn" and x.dtype == torch.float32 and _cpu_threads() < 2:
+        # Measured (one row, GPT-2's [768, 3072] / [3072, 768] / [768, 2304]):
+        # on one thread torch's addmm reads an fp32 [K, N] weight at 0.68-1.0x
+        # the time of our kernel's column tiles; on two, our kernel is
+        # 1.24-1.39x faster, and in bf16 8-22x (bench/RESULTS.md, linear).
+        return None
     try:
         return _to.linear(x, weight, bias) if weight_layout == "nk" else _to.linear(x, weight, bias, weight_layout="kn")
     except UnsupportedError:
