@@ -537,6 +537,35 @@ int cross_entropy_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
 
 // ---- linear: items are blocks of rows of w (of columns of a [K, N] w) -----
 
+// x's rows as fp32: in place for fp32, else widened into scratch ([M][K]);
+// *xs: their row stride.
+template <DType D>
+inline const float* linear_x_f32(const to_tensor& x, float* scratch, int64_t* xs) {
+  const int64_t M = x.shape[0], K = x.shape[1];
+  *xs = x.strides[0];
+  if constexpr (D == DType::Float32) {
+    return static_cast<const float*>(x.data);
+  } else {
+    for (int64_t r = 0; r < M; ++r) ld<D>(x.data, r * x.strides[0], K, scratch + r * K);
+    *xs = K;
+    return scratch;
+  }
+}
+
+// f(r, NR) for x's rows in groups of four (the last one to four rows), NR
+// an integral_constant: each group reads the item's block of w once.
+template <class F>
+inline void linear_row_groups(int64_t M, F f) {
+  for (int64_t r = 0; r < M; r += 4) {
+    switch (min64(4, M - r)) {
+      case 4: f(r, std::integral_constant<int, 4>{}); break;
+      case 3: f(r, std::integral_constant<int, 3>{}); break;
+      case 2: f(r, std::integral_constant<int, 2>{}); break;
+      default: f(r, std::integral_constant<int, 1>{}); break;
+    }
+  }
+}
+
 #include "linear_kn.h"
 #include "linear_rows.h"
 

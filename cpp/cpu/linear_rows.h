@@ -86,27 +86,15 @@ inline void linear_block(const to_op_call& c, const float* X, int64_t xs, int64_
 template <DType D>
 int linear_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   if (c.ints[1]) return linear_kn_k<D>(c, i0, i1, scratch);
-  const to_tensor &x = c.inputs[0], &w = c.inputs[1];
-  const int64_t M = x.shape[0], K = x.shape[1], N = w.shape[0];
+  const int64_t M = c.inputs[0].shape[0], K = c.inputs[0].shape[1], N = c.inputs[1].shape[0];
   const int64_t per = linear_rows_per_item(K, int64_t(dtype_size(D)));
-  const float* X = static_cast<const float*>(x.data);
-  int64_t xs = x.strides[0];
-  if constexpr (D != DType::Float32) {
-    for (int64_t r = 0; r < M; ++r) ld<D>(x.data, r * x.strides[0], K, scratch + r * K);
-    X = scratch;
-    xs = K;
-  }
+  int64_t xs = 0;
+  const float* X = linear_x_f32<D>(c.inputs[0], scratch, &xs);
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t n0 = it * per, n1 = min64(N, n0 + per);
-    for (int64_t r = 0; r < M; r += 4) {
-      const float* Xr = X + r * xs;
-      switch (min64(4, M - r)) {
-        case 4: linear_block<D, 4>(c, Xr, xs, r, n0, n1); break;
-        case 3: linear_block<D, 3>(c, Xr, xs, r, n0, n1); break;
-        case 2: linear_block<D, 2>(c, Xr, xs, r, n0, n1); break;
-        default: linear_block<D, 1>(c, Xr, xs, r, n0, n1); break;
-      }
-    }
+    linear_row_groups(M, [&](int64_t r, auto nr) {
+      linear_block<D, decltype(nr)::value>(c, X + r * xs, xs, r, n0, n1);
+    });
   }
   return 0;
 }

@@ -147,6 +147,14 @@ void fill(HostBuffer& b, float v) {
   for (int64_t i = 0; i < b.size(); ++i) b.set(i, v);
 }
 
+// n values uniform in [-1, 1) (at least one element allocated).
+HostBuffer uniform_buffer(DType dt, int64_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  HostBuffer b(dt, std::max<int64_t>(n, 1));
+  for (int64_t i = 0; i < n; ++i) b.set(i, dist(rng));
+  return b;
+}
+
 HostBuffer make_weight(DType dt, int64_t cols, std::mt19937& rng) {
   std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
   HostBuffer w(dt, std::max<int64_t>(cols, 1));
@@ -296,12 +304,7 @@ TEST_P(KernelTest, LinearMatchesReferenceAndIsBatchInvariant) {
   const uint32_t seed = 77;
   SCOPED_TRACE("seed=" + std::to_string(seed));
   std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  auto random = [&](int64_t n) {
-    HostBuffer b(dtype(), std::max<int64_t>(n, 1));
-    for (int64_t i = 0; i < n; ++i) b.set(i, dist(rng));
-    return b;
-  };
+  auto random = [&](int64_t n) { return uniform_buffer(dtype(), n, rng); };
   for (int64_t M : {1, 3, 5, 16})
     for (int64_t K : {1, 7, 64, 513})
       for (int64_t N : {1, 9, 65, 300})
@@ -334,12 +337,7 @@ TEST_P(KernelTest, LinearKnMatchesReferenceAndIsBatchAndThreadInvariant) {
   const uint32_t seed = 78;
   SCOPED_TRACE("seed=" + std::to_string(seed));
   std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  auto random = [&](int64_t n) {
-    HostBuffer b(dtype(), std::max<int64_t>(n, 1));
-    for (int64_t i = 0; i < n; ++i) b.set(i, dist(rng));
-    return b;
-  };
+  auto random = [&](int64_t n) { return uniform_buffer(dtype(), n, rng); };
   const int threads = cpu::num_threads();
   for (int64_t M : {1, 3, 5, 16})
     for (int64_t K : {1, 7, 64, 513})

@@ -91,6 +91,32 @@ def assert_close(got, ref, dtype, what=""):
         )
 
 
+def assert_within(got64, ref, tol, what=""):
+    """Every |got64 - ref| <= tol (float64 arrays); else the count and the
+    first element off, with its bound."""
+    bad = ~(np.abs(got64 - ref) <= tol)
+    if bad.any():
+        i = np.flatnonzero(bad.ravel())[0]
+        raise AssertionError(f"{what}: {bad.sum()} of {ref.size} elements off; first at flat index {i}: got "
+                             f"{got64.ravel()[i]!r}, ref {ref.ravel()[i]!r}, allowed {tol.ravel()[i]:.3g}")
+
+
+BITS = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
+
+
+def bits(y, dtype):
+    """y's stored bits (numpy / tensor_ops arrays of dtype), for bitwise comparisons."""
+    return np.ascontiguousarray(np.asarray(y)).view(BITS[dtype])
+
+
+@pytest.fixture
+def restore_threads():
+    """The CPU pool's thread count as it was before the test."""
+    n = tensor_ops._C.cpu_num_threads()
+    yield
+    tensor_ops._C.cpu_set_num_threads(n)
+
+
 @pytest.fixture
 def rng(request):
     seed = int(os.environ.get("TENSOR_OPS_TEST_SEED", "0")) + zlib.crc32(request.node.nodeid.encode()) % 65536

@@ -10,13 +10,6 @@ from conftest import np_dtype
 from tensor_ops import _C
 
 
-@pytest.fixture
-def restore_threads():
-    n = _C.cpu_num_threads()
-    yield
-    _C.cpu_set_num_threads(n)
-
-
 # (batch, q heads, kv heads, Lq, Lk, head_dim): odd sizes, GQA, Lq != Lk,
 # several row / key tiles, head_dim not a multiple of 16
 SHAPES = [(1, 4, 1, 37, 53, 24), (2, 6, 2, 100, 70, 64), (1, 2, 2, 5, 130, 16), (3, 3, 3, 50, 50, 8),

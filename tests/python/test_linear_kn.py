@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 
 import tensor_ops
-from conftest import DTYPES, FLOOR, RTOL, np_dtype, to64, torch
+from conftest import assert_within, bits, DTYPES, FLOOR, np_dtype, RTOL, to64, torch
 from tensor_ops import _C
 
 ROWS = [0, 1, 3, 16]
 SIZES = [1, 7, 33, 4097]  # K and N: below and past a register, a tile (64 columns), an item
 SHAPES = [(k, n) for k in SIZES for n in SIZES if k * n < 4097 * 4097]
-BITS = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
 
 needs_torch = pytest.mark.skipif(torch is None, reason="torch not installed")
 
@@ -35,22 +34,7 @@ def assert_kn_close(y, x, w, b, dtype, what):
     assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
     absdot = np.abs(x64) @ np.abs(w64) + (0 if b is None else np.abs(to64(b)))
     tol = RTOL[dtype] * np.abs(ref) + (x64.shape[-1] + 4) * 2.0 ** -24 * absdot + FLOOR[dtype]
-    bad = ~(np.abs(got - ref) <= tol)
-    if bad.any():
-        i = np.flatnonzero(bad.ravel())[0]
-        raise AssertionError(f"{what}: {bad.sum()} of {ref.size} elements off; first at flat index {i}: got "
-                             f"{got.ravel()[i]!r}, ref {ref.ravel()[i]!r}, allowed {tol.ravel()[i]:.3g}")
-
-
-def bits(y, dtype):
-    return np.ascontiguousarray(np.asarray(y)).view(BITS[dtype])
-
-
-@pytest.fixture
-def restore_threads():
-    n = _C.cpu_num_threads()
-    yield
-    _C.cpu_set_num_threads(n)
+    assert_within(got, ref, tol, what)
 
 
 @pytest.mark.parametrize("bias", [False, True])

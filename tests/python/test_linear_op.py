@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 
 import tensor_ops
-from conftest import DTYPES, FLOOR, RTOL, np_dtype, to64, torch
+from conftest import assert_within, bits, DTYPES, FLOOR, np_dtype, RTOL, to64, torch
 from tensor_ops import _C
 
 ROWS = [1, 2, 3, 4, 5, 16]
 SIZES = [1, 7, 63, 64, 65, 513]  # K and N: below, at and past a register / block / cache line
-BITS = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
 
 
 def make(rng, shape, dtype, scale=1.0):
@@ -35,22 +34,7 @@ def assert_linear_close(y, x, w, b, dtype, what):
     absdot = np.abs(to64(x)) @ np.abs(to64(w)).T + (0 if b is None else np.abs(to64(b)))
     k = to64(x).shape[-1]
     tol = RTOL[dtype] * np.abs(ref) + (k / 4 + 4) * 2.0 ** -24 * absdot + FLOOR[dtype]
-    bad = ~(np.abs(got - ref) <= tol)
-    if bad.any():
-        i = np.flatnonzero(bad.ravel())[0]
-        raise AssertionError(f"{what}: {bad.sum()} of {ref.size} elements off; first at flat index {i}: got "
-                             f"{got.ravel()[i]!r}, ref {ref.ravel()[i]!r}, allowed {tol.ravel()[i]:.3g}")
-
-
-def bits(y, dtype):
-    return np.ascontiguousarray(np.asarray(y)).view(BITS[dtype])
-
-
-@pytest.fixture
-def restore_threads():
-    n = _C.cpu_num_threads()
-    yield
-    _C.cpu_set_num_threads(n)
+    assert_within(got, ref, tol, what)
 
 
 @pytest.mark.parametrize("bias", [False, True])
