@@ -8,11 +8,21 @@ namespace nb = nanobind;
 namespace tensor_ops::python {
 
 void init_errors(nb::module_&) {
-  // Leaked on purpose: a static nb::object would be released after the
-  // interpreter is finalised (a crash at exit).
-  static PyObject* mod = nb::module_::import_("tensor_ops.errors").release().ptr();
+  // tensor_ops.errors is imported at the first error, not here: importing
+  // the package while _C initialises would load whatever tensor_ops is
+  // installed, and nanobind's stubgen imports the freshly built _C alone,
+  // where an older installed _C then fails to link against the new core (or,
+  // with none installed, the import fails). Leaked on purpose: a static
+  // nb::object would be released after the interpreter is finalised (a
+  // crash at exit). Translators run with the GIL held.
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    static PyObject* mod = nullptr;
     auto raise = [](const char* cls, const std::exception& e) {
+      if (!mod) {
+        PyObject* m = PyImport_ImportModule("tensor_ops.errors");
+        if (!m) return;  // the ImportError is the error raised
+        mod = m;
+      }
       nb::object type = nb::borrow(mod).attr(cls);
       PyErr_SetString(type.ptr(), e.what());
     };

@@ -36,6 +36,24 @@ def test_package_ships_type_information():
     assert re.search(r"^def rms_norm\(", stub, re.M), stub[:2000]
 
 
+def test_compiled_module_imports_alone(tmp_path):
+    """nanobind's stubgen imports the freshly built _C as a top-level module,
+    without the package. _C must not import tensor_ops while it initialises:
+    that loaded whatever tensor_ops was installed, and an older installed _C
+    then failed to link against the new core (the wheel build failed at its
+    stub step), or with none installed the import failed."""
+    if not (COMPILED / "libtensor_ops.so").is_file():
+        pytest.skip(f"not a pip install (no libtensor_ops.so beside _C in {COMPILED})")
+    import shutil
+    so = Path(tensor_ops._C.__file__)
+    shutil.copy(so, tmp_path / so.name)
+    shutil.copy(COMPILED / "libtensor_ops.so", tmp_path / "libtensor_ops.so")
+    # -S: no site-packages, so no installed tensor_ops to find.
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import _C; print(_C.cpu_num_threads() > 0)"
+    r = subprocess.run([sys.executable, "-S", "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
+
+
 def test_user_script_passes_mypy_strict_and_runs(tmp_path):
     r = mypy("user_script.py", tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
