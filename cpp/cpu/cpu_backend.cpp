@@ -252,12 +252,9 @@ Split split_of(const to_op_call& c) {
     // A [K, N] w (ints[1]): blocks of its columns (Note [linear kn]), each
     // column tile's strip of w read again by each group of four rows of x.
     case OpId::linear: {
-      if (c.ints[1]) {
-        const int64_t N = c.inputs[1].shape[1], per = kLinearKnColsPerItem;
-        return {(N + per - 1) / per, per * std::max<int64_t>(cols, 1) * item * ((rows + 3) / 4),
-                dt_of(x) == DType::Float32 ? 0 : rows * cols};
-      }
-      const int64_t N = c.inputs[1].shape[0], per = linear_rows_per_item(cols, item);
+      const bool kn = c.ints[1] != 0;
+      const int64_t N = c.inputs[1].shape[kn ? 1 : 0];
+      const int64_t per = kn ? kLinearKnColsPerItem : linear_rows_per_item(cols, item);
       return {(N + per - 1) / per, per * std::max<int64_t>(cols, 1) * item * ((rows + 3) / 4),
               dt_of(x) == DType::Float32 ? 0 : rows * cols};
     }

@@ -20,7 +20,6 @@ from .fused_linear import FusedLinearGELU, FusedLinearSiLU, linear_activation, p
 from tensor_ops import BackendUnavailableError, DeviceInfo
 
 
-
 def __getattr__(name: str):
     if name == "Conv1D":  # transformers' Conv1D on our linear kernel, made on first use (modules.conv1d_class)
         from .modules import conv1d_class

@@ -103,9 +103,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return None  # F.linear casts under autocast; we would not
     if weight_layout == "kn" and x.dtype == torch.float32 and _cpu_threads() < 2:
         # Measured (one row, GPT-2's [768, 3072] / [3072, 768] / [768, 2304]):
-        # on one thread torch's addmm reads an fp32 [K, N] weight at 0.68-1.0x
-        # the time of our kernel's column tiles; on two, our kernel is
-        # 1.24-1.39x faster, and in bf16 8-22x (bench/RESULTS.md, linear).
+        # on one thread torch's addmm takes 0.65-0.92x our kernel's time for
+        # an fp32 [K, N] weight; on two, our kernel is 1.27-1.44x faster, and
+        # in bf16 8-21x (bench/RESULTS.md, "Our linear kernel in decode").
         return None
     try:
         return _to.linear(x, weight, bias) if weight_layout == "nk" else _to.linear(x, weight, bias, weight_layout="kn")
