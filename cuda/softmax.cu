@@ -11,6 +11,10 @@
 namespace tensor_ops::gpu {
 namespace {
 
+// Chunks a thread keeps in registers: a row of up to blockDim.x * kRowChunks
+// chunks is read from global memory once; longer rows are read twice.
+constexpr int kRowChunks = 4;
+
 // y = softmax(scale * x) (log_softmax when log). causal: row r is query
 // i = r % lq of the last two dims and sees columns j < i + cols - lq + 1
 // (causal 1, bottom-right aligned) or j < i + 1 (causal 2, top-left); a row that sees nothing is 0 (log: -inf), as are
@@ -20,17 +24,31 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     softmax_kernel(const T* x, int64_t x_stride, T* y, int64_t y_stride, int64_t rows, int64_t cols, float scale,
                    int causal, int64_t lq, bool log) {
   const int64_t chunks = cols / V;
+  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * x_stride;
     T* yr = y + r * y_stride;
     const int64_t valid = causal ? clamp64(r % lq + (causal == 2 ? 0 : cols - lq) + 1, 0, cols) : cols;
     float m = kNegInf, s = 0.0f;
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float a[V];
-      load_chunk(xr, i, a);
+    float a[kRowChunks][V];  // the row's chunks threadIdx.x + c * blockDim.x, when in_registers
+    if (in_registers) {
 #pragma unroll
-      for (int k = 0; k < V; ++k)
-        if (i * V + k < valid) online_add(mul_rn(a[k], scale), m, s);
+      for (int c = 0; c < kRowChunks; ++c) {
+        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
+        if (i >= chunks) break;
+        load_chunk(xr, i, a[c]);
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          if (i * V + k < valid) online_add(mul_rn(a[c][k], scale), m, s);
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+        float b[V];
+        load_chunk(xr, i, b);
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          if (i * V + k < valid) online_add(mul_rn(b[k], scale), m, s);
+      }
     }
     float sum;
     const float row_max = block_max_sum(m, s, &sum);
@@ -40,15 +58,27 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     const float shift = log ? row_max + logf(sum) : row_max;
     const float inv = 1.0f / sum;
     const float masked = log ? kNegInf : 0.0f;
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float a[V];
-      load_chunk(xr, i, a);
+    const auto finish = [&](int64_t i, float (&b)[V]) {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float v = mul_rn(a[k], scale) - shift;
-        a[k] = i * V + k >= valid ? masked : (log ? v : expf(v) * inv);
+        const float v = mul_rn(b[k], scale) - shift;
+        b[k] = i * V + k >= valid ? masked : (log ? v : expf(v) * inv);
       }
-      store_chunk(yr, i, a);
+      store_chunk(yr, i, b);
+    };
+    if (in_registers) {
+#pragma unroll
+      for (int c = 0; c < kRowChunks; ++c) {
+        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
+        if (i >= chunks) break;
+        finish(i, a[c]);
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+        float b[V];
+        load_chunk(xr, i, b);
+        finish(i, b);
+      }
     }
   }
 }
@@ -60,26 +90,52 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     softmax_backward_kernel(const T* dy, int64_t dy_stride, const T* y, int64_t y_stride, T* dx, int64_t dx_stride,
                             int64_t rows, int64_t cols, float scale, bool log) {
   const int64_t chunks = cols / V;
+  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* gr = dy + r * dy_stride;
     const T* yr = y + r * y_stride;
     float part = 0.0f;
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float g[V], p[V];
-      load_chunk(gr, i, g);
-      load_chunk(yr, i, p);
+    float g[kRowChunks][V], p[kRowChunks][V];  // when in_registers
+    if (in_registers) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) part += log ? g[k] : g[k] * p[k];
+      for (int c = 0; c < kRowChunks; ++c) {
+        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
+        if (i >= chunks) break;
+        load_chunk(gr, i, g[c]);
+        load_chunk(yr, i, p[c]);
+#pragma unroll
+        for (int k = 0; k < V; ++k) part += log ? g[c][k] : g[c][k] * p[c][k];
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+        float gi[V], pi[V];
+        load_chunk(gr, i, gi);
+        load_chunk(yr, i, pi);
+#pragma unroll
+        for (int k = 0; k < V; ++k) part += log ? gi[k] : gi[k] * pi[k];
+      }
     }
     const float s = block_sum(part);
     T* dr = dx + r * dx_stride;
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float g[V], p[V];
-      load_chunk(gr, i, g);
-      load_chunk(yr, i, p);
+    const auto finish = [&](int64_t i, float (&gi)[V], const float (&pi)[V]) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) g[k] = log ? scale * (g[k] - expf(p[k]) * s) : scale * p[k] * (g[k] - s);
-      store_chunk(dr, i, g);
+      for (int k = 0; k < V; ++k) gi[k] = log ? scale * (gi[k] - expf(pi[k]) * s) : scale * pi[k] * (gi[k] - s);
+      store_chunk(dr, i, gi);
+    };
+    if (in_registers) {
+#pragma unroll
+      for (int c = 0; c < kRowChunks; ++c) {
+        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
+        if (i >= chunks) break;
+        finish(i, g[c], p[c]);
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+        float gi[V], pi[V];
+        load_chunk(gr, i, gi);
+        load_chunk(yr, i, pi);
+        finish(i, gi, pi);
+      }
     }
   }
 }
@@ -97,16 +153,32 @@ __device__ __forceinline__ float ce_z(float x, float cap) { return cap > 0.0f ? 
 // (softmax(z) (1 + 2 zl lse) - eps / C - (1 - eps) onehot(t)) * dz/dx. Rows
 // whose target is the ignore index get 0 (and a zero gradient row); any
 // other target outside [0, C) raises *bad and leaves the row. dlogits may be
-// logits (in place): row[t] is read before the block's first barrier,
-// chunks stay with one thread.
+// logits (in place): row[t] is read before the row's first barrier, chunks
+// stay with one thread.
 template <class T, int V, class I>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     cross_entropy_kernel(const T* logits, int64_t l_stride, const I* __restrict__ target,
                          float* __restrict__ loss, T* dlogits, int64_t d_stride, int64_t rows,
                          int64_t cols, int64_t ignore_index, float grad_scale, CeOptions o, int* bad) {
+  // The row's target and target logit, read by thread 0 and shared (not one
+  // load per thread); two slots by row parity, so a row's write never meets
+  // a slower thread still reading the previous row's (a row has one barrier
+  // at least: the one after the write).
+  __shared__ int64_t target_sh[2];
+  __shared__ float logit_sh[2];
   const int64_t chunks = cols / V;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t t = int64_t(target[r]);
+  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks;
+  int64_t it = 0;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x, ++it) {
+    const int slot = int(it & 1);
+    const T* lr = logits + r * l_stride;
+    if (threadIdx.x == 0) {
+      const int64_t tr = int64_t(target[r]);
+      target_sh[slot] = tr;
+      logit_sh[slot] = tr >= 0 && tr < cols ? to_f32(lr[tr]) : 0.0f;
+    }
+    __syncthreads();
+    const int64_t t = target_sh[slot];
     T* dr = dlogits ? dlogits + r * d_stride : nullptr;
     if (t == ignore_index) {
       if (threadIdx.x == 0) loss[r] = 0.0f;
@@ -120,17 +192,30 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       if (threadIdx.x == 0) *bad = 1;
       continue;
     }
-    const T* lr = logits + r * l_stride;
-    const float target_logit = ce_z(to_f32(lr[t]), o.cap);
+    const float target_logit = ce_z(logit_sh[slot], o.cap);
     float m = kNegInf, s = 0.0f, zs = 0.0f;
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float a[V];
-      load_chunk(lr, i, a);
+    float a[kRowChunks][V];  // the row's chunks threadIdx.x + c * blockDim.x, when in_registers
+    const auto add = [&](const float (&b)[V]) {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float z = ce_z(a[k], o.cap);
+        const float z = ce_z(b[k], o.cap);
         online_add(z, m, s);
         zs += z;
+      }
+    };
+    if (in_registers) {
+#pragma unroll
+      for (int c = 0; c < kRowChunks; ++c) {
+        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
+        if (i >= chunks) break;
+        load_chunk(lr, i, a[c]);
+        add(a[c]);
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+        float b[V];
+        load_chunk(lr, i, b);
+        add(b);
       }
     }
     float sum;
@@ -143,17 +228,29 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     if (!dr) continue;
     const float p_scale = float((1.0 + 2.0 * o.zl * lse) / sum) * grad_scale;
     const float c0 = grad_scale * o.eps / float(cols), one = (1.0f - o.eps) * grad_scale;
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float a[V];
-      load_chunk(lr, i, a);
+    const auto grad = [&](int64_t i, float (&b)[V]) {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float z = ce_z(a[k], o.cap);
+        const float z = ce_z(b[k], o.cap);
         float g = expf(z - row_max) * p_scale - c0 - (i * V + k == t ? one : 0.0f);
         if (o.cap > 0.0f) g *= 1.0f - (z / o.cap) * (z / o.cap);
-        a[k] = g;
+        b[k] = g;
       }
-      store_chunk(dr, i, a);
+      store_chunk(dr, i, b);
+    };
+    if (in_registers) {
+#pragma unroll
+      for (int c = 0; c < kRowChunks; ++c) {
+        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
+        if (i >= chunks) break;
+        grad(i, a[c]);
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+        float b[V];
+        load_chunk(lr, i, b);
+        grad(i, b);
+      }
     }
   }
 }
