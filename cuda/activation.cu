@@ -90,6 +90,26 @@ __device__ __forceinline__ void apply_flat(const Views<T, Op>& v, const Op& op, 
 // single elements up to that boundary, then 16-byte chunks, then fewer than
 // V single elements. Grid-stride over the chunks. Every element is read and
 // written by one thread, so an output may be an input (in place).
+// Chunk i (V elements) of every input through op into chunk i of every output.
+template <class T, int V, class Op>
+__device__ __forceinline__ void apply_chunk(const T* const (&in)[Op::kIn], T* const (&out)[Op::kOut], const Op& op,
+                                            int64_t i) {
+  float a[Op::kIn][V], b[Op::kOut][V];
+#pragma unroll
+  for (int k = 0; k < Op::kIn; ++k) load_chunk(in[k], i, a[k]);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    float x[Op::kIn], y[Op::kOut];
+#pragma unroll
+    for (int k = 0; k < Op::kIn; ++k) x[k] = a[k][j];
+    op(x, y);
+#pragma unroll
+    for (int k = 0; k < Op::kOut; ++k) b[k][j] = y[k];
+  }
+#pragma unroll
+  for (int k = 0; k < Op::kOut; ++k) store_chunk(out[k], i, b[k]);
+}
+
 template <class T, class Op>
 __global__ void elementwise_span_kernel(Views<T, Op> v, int64_t n, int64_t head, Op op) {
   constexpr int V = 16 / sizeof(T);
@@ -97,24 +117,38 @@ __global__ void elementwise_span_kernel(Views<T, Op> v, int64_t n, int64_t head,
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t chunks = (n - head) / V;
   for (int64_t i = tid; i < chunks; i += stride) {
-    float a[Op::kIn][V], b[Op::kOut][V];
+    const T* in[Op::kIn];
+    T* out[Op::kOut];
 #pragma unroll
-    for (int k = 0; k < Op::kIn; ++k) load_chunk(v.in[k] + head, i, a[k]);
+    for (int k = 0; k < Op::kIn; ++k) in[k] = v.in[k] + head;
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      float x[Op::kIn], y[Op::kOut];
-#pragma unroll
-      for (int k = 0; k < Op::kIn; ++k) x[k] = a[k][j];
-      op(x, y);
-#pragma unroll
-      for (int k = 0; k < Op::kOut; ++k) b[k][j] = y[k];
-    }
-#pragma unroll
-    for (int k = 0; k < Op::kOut; ++k) store_chunk(v.out[k] + head, i, b[k]);
+    for (int k = 0; k < Op::kOut; ++k) out[k] = v.out[k] + head;
+    apply_chunk<T, V>(in, out, op, i);
   }
   const int64_t tail = head + chunks * V;  // head < V and n - tail < V
   if (tid < head) apply_flat(v, op, tid);
   if (tail + tid < n) apply_flat(v, op, tail + tid);
+}
+
+// Rows with their own strides (gate and up as the halves of a fused
+// [N, 2H] projection, say) whose starts are all 16-byte aligned, cols a whole
+// number of chunks: 16-byte loads and stores. blockIdx.y strides over rows,
+// the x dimension over chunks.
+template <class T, class Op>
+__global__ void elementwise_rows_vec_kernel(Views<T, Op> v, int64_t rows, int64_t cols, Op op) {
+  constexpr int V = 16 / sizeof(T);
+  const int64_t c0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t c_step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
+    for (int64_t c = c0; c < cols / V; c += c_step) {
+      const T* in[Op::kIn];
+      T* out[Op::kOut];
+#pragma unroll
+      for (int k = 0; k < Op::kIn; ++k) in[k] = v.in[k] + r * v.in_stride[k];
+#pragma unroll
+      for (int k = 0; k < Op::kOut; ++k) out[k] = v.out[k] + r * v.out_stride[k];
+      apply_chunk<T, V>(in, out, op, c);
+    }
 }
 
 // Any other layout: rows with their own strides, one element at a time.
@@ -140,12 +174,13 @@ template <class T, class Op>
 to_status elementwise_typed(const to_op_call* c, cudaStream_t stream, Op op) {
   Views<T, Op> v;
   const int64_t rows = c->inputs[0].shape[0], cols = c->inputs[0].shape[1];
-  bool contiguous = true, same_offset = true;
+  bool contiguous = true, same_offset = true, rows_vec = true;
   const uintptr_t mis = reinterpret_cast<uintptr_t>(element0<const T>(c->inputs[0])) % 16;
   auto note = [&](const to_tensor& t, int64_t& stride) {
     stride = t.strides[0];
     contiguous = contiguous && (rows == 1 || stride == cols);
     same_offset = same_offset && reinterpret_cast<uintptr_t>(element0<const T>(t)) % 16 == mis;
+    rows_vec = rows_vec && rows_aligned16({&t}, sizeof(T));
   };
   for (int k = 0; k < Op::kIn; ++k) {
     v.in[k] = element0<const T>(c->inputs[k]);
@@ -161,6 +196,10 @@ to_status elementwise_typed(const to_op_call* c, cudaStream_t stream, Op op) {
     const int64_t head = std::min<int64_t>(n, int64_t((16 - mis) % 16 / sizeof(T)));
     const int64_t blocks = std::clamp<int64_t>(ceil_div((n - head) / V, kThreads), 1, kMaxGridBlocks);
     elementwise_span_kernel<T><<<unsigned(blocks), kThreads, 0, stream>>>(v, n, head, op);
+  } else if (rows_vec) {
+    const dim3 grid(unsigned(std::min<int64_t>(ceil_div(cols / int64_t(16 / sizeof(T)), kThreads), 64)),
+                    unsigned(std::min<int64_t>(rows, kMaxGridBlocks)));
+    elementwise_rows_vec_kernel<T><<<grid, kThreads, 0, stream>>>(v, rows, cols, op);
   } else {
     const dim3 grid(unsigned(std::min<int64_t>(ceil_div(cols, kThreads), 64)),
                     unsigned(std::min<int64_t>(rows, kMaxGridBlocks)));

@@ -221,9 +221,15 @@ class Arg:
 
 def empty_like(arg: Arg, shape=None, dtype: str | None = None):
     """A contiguous output in arg's framework and on arg's device: arg's shape
-    and dtype unless given (dtype as a name: "float32", "int64", ...)."""
+    and dtype unless given (dtype as a name: "float32", "int64", ...). For a
+    DLPack producer on a GPU (CuPy, JAX, ...) that is a tensor_ops.Tensor on
+    the same device (itself a DLPack producer); on the CPU a numpy array."""
     a = arg.original if arg.kind == "numpy" else arg.array
     if arg.kind == "dlpack":
+        where = stream_device(a, "dlpack")
+        if where is not None:  # GPU data (CuPy, JAX on a GPU, ...): a tensor_ops.Tensor on that device
+            shape = tuple(a.shape) if shape is None else tuple(shape)
+            return _C.empty(list(shape), dtype or str(a.dtype), f"{STREAM_BACKENDS[where[0]]}:{where[1]}")
         a = np.from_dlpack(a)
     shape = tuple(a.shape) if shape is None else tuple(shape)
     if arg.kind == "tensor_ops":

@@ -6,6 +6,8 @@ the same bits):
   in place, ignored rows, label smoothing): rows held in registers (up to
   kRowChunks chunks per thread) at and just past that limit, where they
   stream twice, and the scalar path (cols not a whole number of chunks);
+- activations and gated units on strided rows (gate / up as the halves of
+  a fused projection), 16-byte aligned or not;
 - rope: a block per token over many heads, partial rotary, interleaved,
   positions per batch;
 - attention forward and backward in float16 / bfloat16 on tensor cores:
@@ -26,6 +28,8 @@ except ImportError:  # bfloat16 numpy arrays need ml_dtypes
     ml_dtypes = None
 
 import tensor_ops as to
+
+import device_views
 
 # fp32 chunks are 4 elements, fp16 / bf16 8; a block has at most 1024
 # threads and keeps 4 chunks each: 16384 fp32 / 32768 16-bit columns are the
@@ -98,6 +102,47 @@ def cases(rng, dtype):
     return out
 
 
+def strided(backend, dtype, rng, problems):
+    """Activations and gated units on the halves of a fused [7, 2H] projection
+    resident on the device (strided DLPack views), output into half of a
+    [7, 2H] buffer: the rows kernels, 16-byte aligned (H = 512; and H = 36 in
+    fp32) or not (lo = 1: one element in; H = 36 in 16-bit). Returns calls made."""
+    dt, calls = dtype_of(dtype), 0
+    dev = f"{backend}:0"
+    for H in (512, 36):
+        fused = (rng.standard_normal((7, 2 * H))).astype(np.float32).astype(dt)
+        base = to.from_numpy(fused, device=dev)
+        for lo in (0, 1):
+            n = H - lo
+            gate, up = fused[:, lo:H], fused[:, H:2 * H - lo]
+            gv, uv = device_views.halves(base, 7, H, dtype, lo)
+            dy = (rng.standard_normal((7, n))).astype(np.float32).astype(dt)
+            for name, fn, ref_fn in (
+                    ("silu", lambda o: to.silu(gv, out=o), lambda: to.silu(gate)),
+                    ("swiglu", lambda o: to.swiglu(gv, uv, out=o), lambda: to.swiglu(gate, up)),
+                    ("geglu", lambda o: to.geglu(gv, uv, "tanh", out=o), lambda: to.geglu(gate, up, "tanh"))):
+                obuf = to.from_numpy(np.zeros((7, 2 * H), dt), device=dev)
+                fn(device_views.DeviceView(obuf, lo, (7, n), (2 * H, 1), dtype))
+                with to.use("cpu"):
+                    ref = ref_fn()
+                got = np.asarray(obuf.numpy())
+                ok, err = close(got[:, lo:H], ref, dtype, 1e-3)
+                calls += 1
+                if not ok or np.any(got[:, :lo] != 0) or np.any(got[:, H:] != 0):
+                    problems.append(f"{backend} {name} {dtype} strided halves H={H} lo={lo}: max error {err:.3g} "
+                                    f"(or a write outside the view)")
+            got = to.swiglu_backward(to.from_numpy(dy, device=dev), gv, uv)
+            with to.use("cpu"):
+                ref = to.swiglu_backward(dy, gate, up)
+            calls += 1
+            for i, (g, r) in enumerate(zip(got, ref)):
+                ok, err = close(np.asarray(g.numpy()), r, dtype, 1e-3)
+                if not ok:
+                    problems.append(f"{backend} swiglu_backward {dtype} strided halves H={H} lo={lo} output {i}: "
+                                    f"max error {err:.3g}")
+    return calls
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="cuda,hip")
@@ -109,6 +154,7 @@ def main():
             problems.append(f"{backend}: not usable")
             continue
         for dtype in ("float32", "bfloat16", "float16"):
+            runs += strided(backend, dtype, np.random.default_rng(3), problems)
             for name, fn, scale in cases(np.random.default_rng(2), dtype):
                 with to.use("cpu"):
                     ref = fn()
