@@ -241,8 +241,9 @@ def test_xla_shim(dtype, rng):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gemma_rms_norm_module(dtype):
     """prepare_model's Gemma RMSNorm against HF's own forward: float32 within
-    1e-5 relative; bfloat16 within one bf16 rounding of HF's, and closer to
-    it than the old per-call (1 + weight) rounded to bf16."""
+    1e-5 relative; bfloat16 within one bf16 rounding of HF's, and (nearly)
+    always HF's bits, which the old per-call (1 + weight) rounded to bf16 was
+    not."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
@@ -268,4 +269,6 @@ def test_gemma_rms_norm_module(dtype):
         ulp = ref.double().abs() * 2 ** -7 + 1e-30
         assert bool((err <= ulp).all()), err.max()
         assert err.sum() < old_err.sum(), (err.sum(), old_err.sum())
-        assert (got == ref).float().mean() > (old == ref).float().mean()
+        # Measured: all 9216 elements equal to HF's bf16 bits (the old way: 76%).
+        same, old_same = (got == ref).float().mean().item(), (old == ref).float().mean().item()
+        assert same > 0.99 and old_same < 0.9, (same, old_same)
