@@ -236,7 +236,7 @@ to_backend_v1 make_table() {
   to_backend_v1 t{};
   t.abi_version = TENSOR_OPS_PLUGIN_ABI_VERSION;
   t.name = TENSOR_OPS_GPU_API;
-  t.flags = TO_BACKEND_CE_OPTIONS;  // device memory is plain pointers (not handles)
+  t.flags = TO_BACKEND_CE_OPTIONS | TO_BACKEND_NORM_OFFSET;  // device memory is plain pointers (not handles)
   t.init = gpu_init;
   t.priority = gpu_priority;
   t.device_count = gpu_device_count;

@@ -8,13 +8,16 @@
 namespace tensor_ops::gpu {
 namespace {
 
+// rms_norm's weight is offset + w (Gemma's 1 + w), in fp32; the host passes
+// -0.0f for none: w + -0.0f is w bit for bit, a -0.0 weight included.
+//
 // Every pass over a row visits chunk i from the same thread, so an output may
 // be its input (in place): each element is read before the same thread writes
 // it, and other threads never touch it. Blocks stride over rows past the grid.
 template <class T, int V>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     rms_norm_kernel(const T* x, int64_t x_stride, const T* __restrict__ w, T* y, int64_t y_stride,
-                    int64_t rows, int64_t cols, float eps) {
+                    int64_t rows, int64_t cols, float eps, float offset) {
   const int64_t chunks = cols / V;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * x_stride;
@@ -34,7 +37,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       load_chunk(xr, i, a);
       load_chunk(w, i, b);
 #pragma unroll
-      for (int k = 0; k < V; ++k) a[k] = a[k] * scale * b[k];
+      for (int k = 0; k < V; ++k) a[k] = a[k] * scale * (b[k] + offset);
       store_chunk(yr, i, a);
     }
   }
@@ -131,7 +134,7 @@ template <class T, int V, int K, bool Layer>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     norm_backward_kernel(const T* dy, int64_t dy_stride, const T* x, int64_t x_stride, const T* __restrict__ w,
                          T* dx, int64_t dx_stride, float* __restrict__ partial, int64_t rows, int64_t cols,
-                         float eps) {
+                         float eps, float offset) {
   using C = Vec<T, V>;
   const int64_t chunks = cols / V;
   int64_t idx[K];
@@ -174,7 +177,8 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
           part += d * d;
         }
     const float rstd = float(1.0 / sqrt(double(block_sum(part)) / double(cols) + double(eps)));
-    // c1 = mean(g * x_hat), c2 = mean(g) with g = dy * w. g is rounded to
+    // c1 = mean(g * x_hat), c2 = mean(g) with g = dy * (w + offset) (rms_norm's
+    // offset; -0.0f for none, as in rms_norm_kernel). g is rounded to
     // fp32 the same way here and below (mul_rn: never fused into an FMA), so
     // g - c2 is exactly 0 where it should be (cols == 1) and not the product's
     // rounding error times rstd.
@@ -185,7 +189,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           const float g = to_f32(gc[j].v[k]);
-          const float xh = (to_f32(xc[j].v[k]) - mean) * rstd, gw = mul_rn(g, to_f32(wc[j].v[k]));
+          const float xh = (to_f32(xc[j].v[k]) - mean) * rstd, gw = mul_rn(g, to_f32(wc[j].v[k]) + offset);
           dw[j][k] += g * xh;
           if (Layer) db[j][k] += g;
           p1 += gw * xh;
@@ -200,7 +204,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
         float a[V];
 #pragma unroll
         for (int k = 0; k < V; ++k)
-          a[k] = rstd * (mul_rn(to_f32(gc[j].v[k]), to_f32(wc[j].v[k])) - c2 -
+          a[k] = rstd * (mul_rn(to_f32(gc[j].v[k]), to_f32(wc[j].v[k]) + offset) - c2 -
                          (to_f32(xc[j].v[k]) - mean) * rstd * c1);
         store_chunk(dr, idx[j], a);
       }
@@ -222,7 +226,7 @@ template <class T, int V, bool Layer>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     norm_backward_wide_kernel(const T* dy, int64_t dy_stride, const T* x, int64_t x_stride,
                               const T* __restrict__ w, T* dx, int64_t dx_stride, float* __restrict__ partial,
-                              int64_t rows, int64_t cols, float eps) {
+                              int64_t rows, int64_t cols, float eps, float offset) {
   const int64_t chunks = cols / V;
   float* dw = partial + int64_t(blockIdx.x) * cols;
   float* db = partial + int64_t(gridDim.x + blockIdx.x) * cols;
@@ -261,7 +265,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       load_chunk(w, i, wv);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float xh = (a[k] - mean) * rstd, gw = mul_rn(g[k], wv[k]);
+        const float xh = (a[k] - mean) * rstd, gw = mul_rn(g[k], wv[k] + offset);
         dw[i * V + k] += g[k] * xh;
         if (Layer) db[i * V + k] += g[k];
         p1 += gw * xh;
@@ -277,7 +281,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       load_chunk(gr, i, g);
       load_chunk(w, i, wv);
 #pragma unroll
-      for (int k = 0; k < V; ++k) a[k] = rstd * (mul_rn(g[k], wv[k]) - c2 - (a[k] - mean) * rstd * c1);
+      for (int k = 0; k < V; ++k) a[k] = rstd * (mul_rn(g[k], wv[k] + offset) - c2 - (a[k] - mean) * rstd * c1);
       store_chunk(dr, i, a);
     }
   }
@@ -325,16 +329,20 @@ constexpr int64_t kBackwardBlocks = 132;
 // take norm_backward_wide_kernel.
 constexpr int kMaxRegisterChunks = 4;
 
+// rms_norm's weight offset as the kernels take it: -0.0f for none (+0.0f
+// would turn a -0.0 weight into +0.0).
+float weight_offset(double offset) { return offset == 0 ? -0.0f : float(offset); }
+
 template <class T>
 to_status rms_norm_typed(const to_op_call* c, cudaStream_t stream) {
   const to_tensor &xt = c->inputs[0], &wt = c->inputs[1], &yt = c->outputs[0];
   const int64_t rows = xt.shape[0], cols = xt.shape[1];
-  const float eps = float(c->scalars[0]);
+  const float eps = float(c->scalars[0]), offset = weight_offset(c->scalars[1]);
   return with_chunk<T>(rows_aligned16({&xt, &wt, &yt}, sizeof(T)), [&](auto v) {
     constexpr int V = decltype(v)::value;
     rms_norm_kernel<T, V><<<row_blocks(rows), row_block_threads(cols / V), 0, stream>>>(
         element0<const T>(xt), xt.strides[0], element0<const T>(wt), element0<T>(yt), yt.strides[0], rows, cols,
-        eps);
+        eps, offset);
     TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
     return TO_OK;
   });
@@ -386,12 +394,12 @@ to_status norm_backward_typed(const to_op_call* c, cudaStream_t stream) {
       constexpr int V = decltype(v)::value;
       const int64_t chunks = cols / V;
       const int64_t per_thread = ceil_div(chunks, kMaxBlockThreads);
-      const float eps = float(c->scalars[0]);
+      const float eps = float(c->scalars[0]), offset = weight_offset(Layer ? 0.0 : c->scalars[1]);
       auto run = [&](auto k) {
         constexpr int K = decltype(k)::value;
         norm_backward_kernel<T, V, K, Layer><<<unsigned(parts), row_block_threads(ceil_div(chunks, K)), 0, stream>>>(
             element0<const T>(gt), gt.strides[0], element0<const T>(xt), xt.strides[0], element0<const T>(wt),
-            element0<T>(dxt), dxt.strides[0], scratch.get<float>(), rows, cols, eps);
+            element0<T>(dxt), dxt.strides[0], scratch.get<float>(), rows, cols, eps, offset);
       };
       if (per_thread <= 1)
         run(std::integral_constant<int, 1>{});
@@ -402,7 +410,7 @@ to_status norm_backward_typed(const to_op_call* c, cudaStream_t stream) {
       else
         norm_backward_wide_kernel<T, V, Layer><<<unsigned(parts), row_block_threads(chunks), 0, stream>>>(
             element0<const T>(gt), gt.strides[0], element0<const T>(xt), xt.strides[0], element0<const T>(wt),
-            element0<T>(dxt), dxt.strides[0], scratch.get<float>(), rows, cols, eps);
+            element0<T>(dxt), dxt.strides[0], scratch.get<float>(), rows, cols, eps, offset);
       TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
       return TO_OK;
     });

@@ -231,6 +231,10 @@ to_status enqueue(ClDevice& d, cl_kernel k, cl_uint dims, const size_t* global, 
   return TO_OK;
 }
 
+// rms_norm's weight offset as the kernels take it: -0.0f for none (w + -0.0f
+// is w bit for bit; +0.0f would turn a -0.0 weight into +0.0).
+cl_float weight_offset(double offset) { return offset == 0 ? -0.0f : cl_float(offset); }
+
 to_status run_rms_norm(const to_op_call* c) {
   const to_tensor &x = c->inputs[0], &w = c->inputs[1], &y = c->outputs[0];
   ClDevice* d = nullptr;
@@ -247,7 +251,7 @@ to_status run_rms_norm(const to_op_call* c) {
   std::lock_guard<std::mutex> lock(p->launch_mutex);
   TENSOR_OPS_CL_RETURN_IF_ERROR(set_args(p->rms_norm, mem(x), x_off, cl_ulong(x.strides[0]), mem(w), w_off, mem(y),
                                          y_off, cl_ulong(y.strides[0]), cl_ulong(cols), cl_float(c->scalars[0]),
-                                         LocalFloats{group}));
+                                         weight_offset(c->scalars[1]), LocalFloats{group}));
   return enqueue(*d, p->rms_norm, 1, &global, &group);
 }
 
@@ -449,7 +453,8 @@ to_status run_norm_backward(const to_op_call* c, bool layer) {
   std::lock_guard<std::mutex> lock(l.p->launch_mutex);
   cl_kernel k = l.p->kernels[kNormBackwardRows];
   TENSOR_OPS_CL_RETURN_IF_ERROR(set_kernel_args(k, bdy, rstride(dy), bx, rstride(x), bw, bdx, rstride(dx), stats.m,
-                                                cl_ulong(cols), cl_float(c->scalars[0]), cl_int(layer),
+                                                cl_ulong(cols), cl_float(c->scalars[0]),
+                                                weight_offset(layer ? 0.0 : c->scalars[1]), cl_int(layer),
                                                 LocalFloats{row_group_for(l, cols)}));
   TENSOR_OPS_CL_RETURN_IF_ERROR(enqueue_rows(l, k, rows, cols));
   const size_t col_group = std::min<size_t>(l.p->activation_group, 64);
@@ -722,7 +727,7 @@ to_backend_v1 make_table() {
   to_backend_v1 t{};
   t.abi_version = TENSOR_OPS_PLUGIN_ABI_VERSION;
   t.name = "opencl";
-  t.flags = TO_BACKEND_HANDLE_MEMORY | TO_BACKEND_CE_OPTIONS;
+  t.flags = TO_BACKEND_HANDLE_MEMORY | TO_BACKEND_CE_OPTIONS | TO_BACKEND_NORM_OFFSET;
   t.init = cl_init;
   t.priority = cl_priority;
   t.device_count = cl_device_count;

@@ -429,6 +429,10 @@ size_t row_group(int64_t cols) {
 
 // ---- row-wise ops: [rows, cols] views with row strides, one work-group per row
 
+// rms_norm's weight offset as the kernels take it: -0.0f for none (w + -0.0f
+// is w bit for bit; +0.0f would turn a -0.0 weight into +0.0).
+float weight_offset(double offset) { return offset == 0 ? -0.0f : float(offset); }
+
 // rms_norm and layer_norm (ints[0]: has_bias).
 to_status run_norm(const to_op_call* call) {
   const bool layer = call->op == int32_t(OpId::layer_norm);
@@ -438,7 +442,8 @@ to_status run_norm(const to_op_call* call) {
     const sycl::kernel k = c.kernel("to_norm");
     c.groups(k, size_t(x.shape[0]), c.local(k, row_group(x.shape[1])), at(x), at(w),
              has_bias ? at(call->inputs[2]) : at(w), at(y), int64_t(x.shape[1]), int64_t(x.strides[0]),
-             int64_t(y.strides[0]), float(call->scalars[0]), int32_t(layer), int32_t(has_bias));
+             int64_t(y.strides[0]), float(call->scalars[0]), weight_offset(layer ? 0.0 : call->scalars[1]),
+             int32_t(layer), int32_t(has_bias));
     return TO_OK;
   });
 }
@@ -469,7 +474,7 @@ to_status run_norm_backward(const to_op_call* call) {
     const sycl::kernel k = c.kernel("to_norm_backward");
     c.groups(k, size_t(rows), c.local(k, row_group(cols)), at(dy), at(x), at(w), at(dx), stats, cols,
              int64_t(dy.strides[0]), int64_t(x.strides[0]), int64_t(dx.strides[0]), float(call->scalars[0]),
-             int32_t(layer));
+             weight_offset(layer ? 0.0 : call->scalars[1]), int32_t(layer));
     c.flat("to_norm_backward_columns", size_t(cols), at(dy), at(x), static_cast<const float*>(stats), at(dw),
            has_bias ? at(call->outputs[2]) : at(dw), rows, cols, int64_t(dy.strides[0]), int64_t(x.strides[0]),
            int32_t(has_bias));
@@ -630,7 +635,7 @@ to_backend_v1 make_table() {
   to_backend_v1 t{};
   t.abi_version = TENSOR_OPS_PLUGIN_ABI_VERSION;
   t.name = "sycl";
-  t.flags = TO_BACKEND_CE_OPTIONS;  // USM device pointers (not handles)
+  t.flags = TO_BACKEND_CE_OPTIONS | TO_BACKEND_NORM_OFFSET;  // USM device pointers (not handles)
   t.init = sycl_init;
   t.priority = sycl_priority;
   t.device_count = sycl_device_count;

@@ -24,9 +24,9 @@ void submit_all(sycl::queue& q) {
     h.parallel_for(sycl::nd_range<1>{64, 64}, [=](sycl::nd_item<1> it) {
       float* a = &wa[0];
       float* b = &wb[0];
-      norm_row<T>(it, t, t, t, t, 1, 1, 1, 0.0f, 0, 0);
+      norm_row<T>(it, t, t, t, t, 1, 1, 1, 0.0f, 1.0f, 0, 0);
       add_rms_norm_row<T>(it, t, t, t, t, t, 1, 1, 1, 1, 1, 0.0f);
-      norm_backward_row<T>(it, t, t, t, t, f, 1, 1, 1, 1, 0.0f, 1);
+      norm_backward_row<T>(it, t, t, t, t, f, 1, 1, 1, 1, 0.0f, 1.0f, 1);
       norm_backward_columns<T>(it, t, t, f, t, t, 1, 1, 1, 1, 1);
       eltwise<T>(it, t, t, t, t, t, 1, 1, 1, 1, 1, 1, 1, 0, 0);
       softmax_row<T>(it, t, t, 1, 1, 1, 1.0f, 0, 0, 1);

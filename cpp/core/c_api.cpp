@@ -180,9 +180,11 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
   };
   counts("inputs", n_inputs, s.n_in, inputs);
   counts("outputs", n_outputs, s.n_out, outputs);
-  // cross_entropy takes grad_scale alone or with label_smoothing, z_loss, softcap.
+  // cross_entropy takes grad_scale alone or with label_smoothing, z_loss, softcap;
+  // rms_norm and its backward eps alone or with the weight offset.
   const bool ce_options = op == OpId::cross_entropy && n_scalars == 4;
-  counts("scalars", n_scalars, ce_options ? 4 : s.n_scalars, scalars);
+  const bool norm_offset = (op == OpId::rms_norm || op == OpId::rms_norm_backward) && n_scalars == 2;
+  counts("scalars", n_scalars, ce_options ? 4 : norm_offset ? 2 : s.n_scalars, scalars);
   // linear takes its weight layout or nothing (weight [N, K], as before the layout existed).
   const bool linear_layout = op == OpId::linear && n_ints == 1;
   counts("ints", n_ints, linear_layout ? 1 : s.n_ints, ints);
@@ -195,11 +197,13 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
     out[i] = i == s.optional_out ? optional_tensor(outputs[i], fn, s.out_names[i])
                                  : &required_tensor(outputs[i], fn, s.out_names[i]);
   switch (op) {
-    case OpId::rms_norm: rms_norm(*in[0], *in[1], *out[0], scalars[0]); break;
+    case OpId::rms_norm: rms_norm(*in[0], *in[1], *out[0], scalars[0], norm_offset ? scalars[1] : 0.0); break;
     case OpId::silu: silu(*in[0], *out[0]); break;
     case OpId::gelu: gelu(*in[0], *out[0], ints[0] ? "tanh" : "none"); break;
     case OpId::layer_norm: layer_norm(*in[0], *in[1], in[2], *out[0], scalars[0]); break;
-    case OpId::rms_norm_backward: rms_norm_backward(*in[0], *in[1], *in[2], *out[0], *out[1], scalars[0]); break;
+    case OpId::rms_norm_backward:
+      rms_norm_backward(*in[0], *in[1], *in[2], *out[0], *out[1], scalars[0], norm_offset ? scalars[1] : 0.0);
+      break;
     case OpId::layer_norm_backward:
       layer_norm_backward(*in[0], *in[1], *in[2], *out[0], *out[1], out[2], scalars[0]);
       break;

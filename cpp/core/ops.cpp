@@ -329,7 +329,18 @@ void check_outputs(const char* op, const TensorList& outs, const TensorList& ins
 
 std::string backend_for(const Tensor& x) { return backend_for_tensor(x).name(); }
 
-void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, double eps) {
+// rms_norm's weight offset: finite, and nonzero only on a backend that reads it.
+static void check_offset(const char* op, const Tensor& x, double offset) {
+  if (!std::isfinite(offset))
+    throw InvalidArgument(std::string(op) + ": offset must be finite, got " + std::to_string(offset));
+  if (offset == 0) return;
+  const Backend& b = backend_for_tensor(x);
+  if (!(b.table().flags & TO_BACKEND_NORM_OFFSET))
+    throw Unsupported(std::string(op) + ": backend '" + b.name() + "' does not implement the weight offset (got " +
+                      std::to_string(offset) + "); run it on another backend, or pass offset + weight as the weight");
+}
+
+void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, double eps, double offset) {
   const char* op = "rms_norm";
   check_float(op, "x", x);
   if (x.ndim() < 1)
@@ -343,12 +354,14 @@ void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, double e
   if (!std::isfinite(eps) || eps < 0)
     throw InvalidArgument("rms_norm: eps must be finite and >= 0, got " + std::to_string(eps));
   check_out(op, out, x, {&weight});
+  check_offset(op, x, offset);
   if (x.numel() == 0) return;
   collapse(x, op, "x");
   collapse(weight, op, "weight");
   collapse(out, op, "out");
   to_op_call call{};
   call.scalars[0] = eps;
+  call.scalars[1] = offset;
   launch(OpId::rms_norm, {&x, &weight}, {&out}, call);
 }
 
@@ -407,7 +420,7 @@ void layer_norm(const Tensor& x, const Tensor& weight, const Tensor* bias, const
 }
 
 void rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& dx,
-                       const Tensor& dweight, double eps) {
+                       const Tensor& dweight, double eps, double offset) {
   const char* op = "rms_norm_backward";
   check_float(op, "x", x);
   check_rank(op, x, 1);
@@ -417,9 +430,11 @@ void rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, 
   check_vector(op, "dweight", dweight, x);
   check_eps(op, eps);
   check_outputs(op, {&dx, &dweight}, {&dy, &x, &weight});
+  check_offset(op, x, offset);
   if (x.shape().back() == 0) return;
   to_op_call call{};
   call.scalars[0] = eps;
+  call.scalars[1] = offset;
   launch(OpId::rms_norm_backward, {&dy, &x, &weight}, {&dx, &dweight}, call);
 }
 

@@ -141,6 +141,9 @@ to_status run_rms_norm(const to_op_call* c) {
   const IsaKernels* k = level().load();
   std::vector<float> wf(static_cast<size_t>(cols));
   k->to_float(dt_of(w), w.data, wf.data(), cols);
+  // Gemma's offset + w, in fp32; a zero offset leaves w as it is (a -0.0 weight too).
+  if (const float offset = float(c->scalars[1]); offset != 0)
+    for (float& v : wf) v = offset + v;
   const float eps = float(c->scalars[0]);
   const int64_t item = int64_t(dtype_size(dt_of(x)));
   const bool nt = streaming(rows * cols * item);
@@ -498,7 +501,7 @@ to_backend_v1 make_table() {
                   OpId::softmax, OpId::softmax_backward, OpId::activation_backward, OpId::glu, OpId::glu_backward,
                   OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy, OpId::linear})
     t.kernels[int(op)] = run_items;
-  t.flags |= TO_BACKEND_CE_OPTIONS;  // cross_entropy reads its option scalars
+  t.flags |= TO_BACKEND_CE_OPTIONS | TO_BACKEND_NORM_OFFSET;  // cross_entropy's options, rms_norm's offset
   return t;
 }
 

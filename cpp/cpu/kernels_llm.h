@@ -83,6 +83,8 @@ int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
   float *xb = scratch, *gb = scratch + cols, *wf = scratch + 2 * cols, *dw = scratch + 3 * cols,
         *db = scratch + 4 * cols;
   ld<D>(w.data, 0, cols, wf);
+  if (const float offset = Layer ? 0.0f : float(c.scalars[1]); offset != 0)  // rms_norm's offset + w
+    for (int64_t i = 0; i < cols; ++i) wf[i] = offset + wf[i];
   for (int64_t i = 0; i < cols; ++i) dw[i] = 0.0f, db[i] = 0.0f;  // this chunk's partials
   const double eps = c.scalars[0];
   for (int64_t r = r0; r < r1; ++r) {

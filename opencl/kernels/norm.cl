@@ -1,4 +1,6 @@
-// RMSNorm: y = x / sqrt(mean(x^2) + eps) * w over each row, in fp32.
+// RMSNorm: y = x / sqrt(mean(x^2) + eps) * (offset + w) over each row, in
+// fp32 (offset: Gemma's 1; the host passes -0.0f for none, and w + -0.0f is
+// w bit for bit, a -0.0 weight included).
 // One work-group per row. Each work-item sums the squares of its 8-element
 // chunks (chunk k at 8k, strided by the group size so a GPU's loads
 // coalesce) and of the tail past the last whole chunk; then a tree reduction
@@ -7,7 +9,7 @@
 // after the barrier, so y may be x.
 __kernel void rms_norm(const __global T* x, ulong x_off, ulong x_stride, const __global T* w, ulong w_off,
                        __global T* y, ulong y_off, ulong y_stride, ulong cols, float eps,
-                       __local float* partial) {
+                       float offset, __local float* partial) {
   const ulong row = get_group_id(0);
   const uint lid = get_local_id(0);
   const uint size = get_local_size(0);
@@ -32,7 +34,7 @@ __kernel void rms_norm(const __global T* x, ulong x_off, ulong x_stride, const _
   }
   const float scale = 1.0f / sqrt(partial[0] / (float)cols + eps);
   for (ulong k = lid; k < chunks; k += size)
-    store8_f32(y, yr + 8 * k, load8_f32(x, xr + 8 * k) * scale * load8_f32(w, w_off + 8 * k));
+    store8_f32(y, yr + 8 * k, load8_f32(x, xr + 8 * k) * scale * (load8_f32(w, w_off + 8 * k) + offset));
   for (ulong c = 8 * chunks + lid; c < cols; c += size)
-    store_f32(y, yr + c, load_f32(x, xr + c) * scale * load_f32(w, w_off + c));
+    store_f32(y, yr + c, load_f32(x, xr + c) * scale * (load_f32(w, w_off + c) + offset));
 }

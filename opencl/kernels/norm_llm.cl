@@ -47,12 +47,13 @@ __kernel void add_rms_norm(const __global T* x, ulong x_off, ulong x_stride, con
 
 // dx of rms_norm (layer = 0) or layer_norm (layer = 1) for one row, and the
 // row's mean and rstd into stats[2 row], stats[2 row + 1] for the dweight
-// sums. g = dy * w, x_hat = (x - mean) * rstd:
+// sums. g = dy * (w + offset) (rms_norm's offset; -0.0f for none, as in
+// rms_norm), x_hat = (x - mean) * rstd:
 // dx = rstd * (g - mean(g) [layer] - x_hat * mean(g * x_hat)).
 __kernel void norm_backward_rows(const __global T* dy, ulong dy_off, ulong dy_stride, const __global T* x,
                                  ulong x_off, ulong x_stride, const __global T* w, ulong w_off, __global T* dx,
                                  ulong dx_off, ulong dx_stride, __global float* stats, ulong cols, float eps,
-                                 int layer, __local float* red) {
+                                 float offset, int layer, __local float* red) {
   const ulong row = get_group_id(0);
   const ulong gr = dy_off + row * dy_stride, xr = x_off + row * x_stride, dr = dx_off + row * dx_stride;
   float8 acc = 0.0f;
@@ -69,7 +70,7 @@ __kernel void norm_backward_rows(const __global T* dy, ulong dy_off, ulong dy_st
   const float rstd = 1.0f / sqrt(group_sum(hsum8(acc), red) / (float)cols + eps);
   float8 gx = 0.0f, gs = 0.0f;
   TO_ROW_CHUNKS(cols) {
-    const float8 g = load8n(dy, gr + c, n, 0.0f) * load8n(w, w_off + c, n, 0.0f);
+    const float8 g = load8n(dy, gr + c, n, 0.0f) * (load8n(w, w_off + c, n, 0.0f) + offset);
     const float8 xh = select((float8)0.0f, (load8n(x, xr + c, n, 0.0f) - mean) * rstd, lanes_below(n));
     gx += g * xh;
     gs += g;
@@ -77,7 +78,7 @@ __kernel void norm_backward_rows(const __global T* dy, ulong dy_off, ulong dy_st
   const float c1 = group_sum(hsum8(gx), red) / (float)cols;
   const float c2 = layer ? group_sum(hsum8(gs), red) / (float)cols : 0.0f;
   TO_ROW_CHUNKS(cols) {
-    const float8 g = load8n(dy, gr + c, n, 0.0f) * load8n(w, w_off + c, n, 0.0f);
+    const float8 g = load8n(dy, gr + c, n, 0.0f) * (load8n(w, w_off + c, n, 0.0f) + offset);
     const float8 xh = (load8n(x, xr + c, n, 0.0f) - mean) * rstd;
     store8n(dx, dr + c, rstd * (g - c2 - xh * c1), n);
   }

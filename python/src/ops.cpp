@@ -57,18 +57,19 @@ nb::object made_pair(nb::object a, nb::object b) {
 void init_ops(nb::module_& m) {
   m.def(
       "rms_norm",
-      [](const Array& x, const Array& weight, const Array& out, double eps, bool bf16) {
+      [](const Array& x, const Array& weight, const Array& out, double eps, double offset, bool bf16) {
         Tensor tx = to_tensor(x, "x", bf16), tw = to_tensor(weight, "weight", bf16);
         nb::object made;
         Tensor to = output(out, x, tx, "out", bf16, made);
         {
           ReleaseIfBig release(tx);
-          rms_norm(tx, tw, to, eps);
+          rms_norm(tx, tw, to, eps, offset);
         }
         return made_or_none(made);
       },
-      nb::arg("x"), nb::arg("weight"), nb::arg("out").none(), nb::arg("eps"), nb::arg("bf16") = false,
-      "rms_norm over the last dimension into out (validated by the core).");
+      nb::arg("x"), nb::arg("weight"), nb::arg("out").none(), nb::arg("eps"), nb::arg("offset") = 0.0,
+      nb::arg("bf16") = false,
+      "rms_norm over the last dimension into out, times (offset + weight) (validated by the core).");
   m.def(
       "silu",
       [](const Array& x, const Array& out, bool bf16) {
@@ -112,18 +113,18 @@ void init_ops(nb::module_& m) {
       nb::arg("bf16") = false);
   m.def(
       "rms_norm_backward",
-      [](Array dy, Array x, Array w, Array dx, Array dw, double eps, bool bf16) {
+      [](Array dy, Array x, Array w, Array dx, Array dw, double eps, double offset, bool bf16) {
         Tensor a = to_tensor(dy, "dy", bf16), b = to_tensor(x, "x", bf16), c = to_tensor(w, "weight", bf16);
         nb::object made, made_w;
         Tensor d = output(dx, x, b, "dx", bf16, made), e = output(dw, w, c, "dweight", bf16, made_w);
         {
           nb::gil_scoped_release release;
-          rms_norm_backward(a, b, c, d, e, eps);
+          rms_norm_backward(a, b, c, d, e, eps, offset);
         }
         return made_pair(made, made_w);
       },
       nb::arg("dy"), nb::arg("x"), nb::arg("weight"), nb::arg("dx").none(), nb::arg("dweight").none(),
-      nb::arg("eps"), nb::arg("bf16") = false);
+      nb::arg("eps"), nb::arg("offset") = 0.0, nb::arg("bf16") = false);
   m.def(
       "layer_norm_backward",
       [](Array dy, Array x, Array w, Array dx, Array dw, Array db, double eps, bool bf16) {

@@ -55,9 +55,12 @@ __version__ = "0.1.0"
 from ._optable import invoke as _invoke
 
 
-def rms_norm(x: Array, weight: Array, eps: float = 1e-6, *, out: Array | None = None) -> Array:
-    """x / sqrt(mean(x**2, last dim) + eps) * weight, accumulated in fp32."""
-    return _invoke("rms_norm", (x, weight), (eps if type(eps) is float else _checks.real("eps", eps, nonneg=True),),
+def rms_norm(x: Array, weight: Array, eps: float = 1e-6, *, offset: float = 0.0, out: Array | None = None) -> Array:
+    """x / sqrt(mean(x**2, last dim) + eps) * (offset + weight), accumulated in
+    fp32; offset + weight is formed in fp32 inside the kernel (Gemma's
+    (1 + weight): offset=1.0)."""
+    return _invoke("rms_norm", (x, weight), (eps if type(eps) is float else _checks.real("eps", eps, nonneg=True),
+                                             offset if type(offset) is float else _checks.real("offset", offset)),
                    out)
 
 

@@ -80,8 +80,8 @@ def _act_grad(xf, act: str):
 
 
 @_jit()
-def rms_norm(x, w, eps):
-    return _rms(_acc(x), _acc(w), eps).astype(x.dtype)
+def rms_norm(x, w, eps, offset):
+    return _rms(_acc(x), _acc(w) + offset, eps).astype(x.dtype)
 
 
 @_jit("act")
@@ -235,8 +235,8 @@ def _vjp(fn, primals, cotangent):
 
 
 @_jit()
-def rms_norm_backward(dy, x, w, eps):
-    return _vjp(lambda a, b: _rms(a, b, eps), (x, w), dy)
+def rms_norm_backward(dy, x, w, eps, offset):
+    return _vjp(lambda a, b: _rms(a, b + offset, eps), (x, w), dy)
 
 
 @_jit("bias")

@@ -29,8 +29,8 @@ def _rms(xf, wf, eps: float):
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * wf
 
 
-def rms_norm(x, weight, eps: float):
-    return _rms(_acc(x), _acc(weight), float(eps)).to(x.dtype)
+def rms_norm(x, weight, eps: float, offset: float = -0.0):
+    return _rms(_acc(x), _acc(weight) + offset, float(eps)).to(x.dtype)
 
 
 def silu(x):

@@ -36,9 +36,11 @@ def add_rms_norm(x: Array, residual: Array, weight: Array, eps: float = 1e-6) ->
     return invoke("add_rms_norm", (x, residual, weight), (_eps(eps),))
 
 
-def rms_norm_backward(dy: Array, x: Array, weight: Array, eps: float = 1e-6) -> tuple[Array, Array]:
-    """Gradients of rms_norm: (dx, dweight)."""
-    return invoke("rms_norm_backward", (dy, x, weight), (_eps(eps),))
+def rms_norm_backward(dy: Array, x: Array, weight: Array, eps: float = 1e-6, *,
+                      offset: float = 0.0) -> tuple[Array, Array]:
+    """Gradients of rms_norm (with its offset): (dx, dweight)."""
+    return invoke("rms_norm_backward", (dy, x, weight),
+                  (_eps(eps), offset if type(offset) is float else _checks.real("offset", offset)))
 
 
 def layer_norm_backward(dy: Array, x: Array, weight: Array, eps: float = 1e-5, *,

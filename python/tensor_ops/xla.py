@@ -88,6 +88,17 @@ def _rank(op: str, x, n: int):
         raise InvalidArgumentError(f"{op}: x must have at least {n} dimension(s), got shape {list(x.shape)}")
 
 
+def _offset(op: str, offset) -> float:
+    """rms_norm's weight offset, as the kernels take it: -0.0 for none (w +
+    -0.0 is w bit for bit; +0.0 would turn a -0.0 weight into +0.0)."""
+    if isinstance(offset, (bool, str, bytes)) or not hasattr(offset, "__float__"):
+        raise TypeError(f"{op}: offset must be a real number, got {type(offset).__name__}")
+    offset = float(offset)
+    if not math.isfinite(offset):
+        raise InvalidArgumentError(f"{op}: offset must be finite, got {offset}")
+    return offset or -0.0
+
+
 def _eps(op: str, eps) -> float:
     if isinstance(eps, (str, bytes)) or not hasattr(eps, "__float__"):
         raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
@@ -133,17 +144,19 @@ def _tx():
     return _xla_torch
 
 
-def rms_norm(x, weight, eps: float = 1e-6):
-    """x / sqrt(mean(x**2, last dim) + eps) * weight."""
+def rms_norm(x, weight, eps: float = 1e-6, *, offset: float = 0.0):
+    """x / sqrt(mean(x**2, last dim) + eps) * (offset + weight), offset +
+    weight formed in fp32."""
+    offset = _offset("rms_norm", offset)
     if is_torch_xla(x):
-        return _tx().rms_norm(x, weight, eps)
+        return _tx().rms_norm(x, weight, eps, offset)
     x, weight = _as_jax(x), _as_jax(weight)
     _float("rms_norm", "x", x)
     if x.ndim < 1:
         raise InvalidArgumentError("rms_norm: x must have at least 1 dimension (it normalises the last); "
                                    "got a 0-d tensor")
     _vector("rms_norm", "weight", weight, x)
-    return _k.rms_norm(x, weight, _eps("rms_norm", eps))
+    return _k.rms_norm(x, weight, _eps("rms_norm", eps), offset)
 
 
 def _unary(op: str, x, act: str):
@@ -414,15 +427,16 @@ def cross_entropy_with_grad(logits, target, ignore_index: int = -100, reduction:
     return _ce(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap)
 
 
-def rms_norm_backward(dy, x, weight, eps: float = 1e-6):
-    """(dx, dweight) of rms_norm."""
+def rms_norm_backward(dy, x, weight, eps: float = 1e-6, *, offset: float = 0.0):
+    """(dx, dweight) of rms_norm (with its offset)."""
+    offset = _offset("rms_norm_backward", offset)
     dy, x, weight = _as_jax(dy), _as_jax(x), _as_jax(weight)
     _float("rms_norm_backward", "x", x)
     _rank("rms_norm_backward", x, 1)
     _vector("rms_norm_backward", "weight", weight, x)
     _float("rms_norm_backward", "dy", dy, x)
     _same_shape("rms_norm_backward", "dy", dy, x)
-    return _k.rms_norm_backward(dy, x, weight, _eps("rms_norm_backward", eps))
+    return _k.rms_norm_backward(dy, x, weight, _eps("rms_norm_backward", eps), offset)
 
 
 def layer_norm_backward(dy, x, weight, eps: float = 1e-5, *, bias: bool = True):

@@ -248,6 +248,56 @@ static void test_last_error_is_per_thread(void) {
   CHECK(strstr(to_last_error(), "silu: x is NULL") != NULL);
 }
 
+/* rms_norm and its backward through to_op_run with the weight offset (2
+ * scalars: eps, offset; Gemma's 1 + w) against a double reference and against
+ * the 1-scalar form given offset + w as the weight; other counts refused. */
+static void test_rms_norm_offset(void) {
+  enum { ROWS = 2, COLS = 5 };
+  float x[ROWS * COLS], w[COLS], w1[COLS], y[ROWS * COLS], dy[ROWS * COLS];
+  float dx[ROWS * COLS], dw[COLS], dx1[ROWS * COLS], dw1[COLS];
+  for (int i = 0; i < ROWS * COLS; ++i) x[i] = (float)((i * 37) % 11) - 5.0f, dy[i] = 0.25f * (float)(i % 7) - 0.5f;
+  for (int j = 0; j < COLS; ++j) w[j] = 0.125f * (float)j - 0.25f, w1[j] = 1.0f + w[j];  /* exact in fp32 */
+  const int64_t shape[2] = {ROWS, COLS}, wshape[1] = {COLS};
+  to_tensor_h tx = make(x, TO_FLOAT32, 2, shape, NULL, NULL), tw = make(w, TO_FLOAT32, 1, wshape, NULL, NULL);
+  to_tensor_h tw1 = make(w1, TO_FLOAT32, 1, wshape, NULL, NULL), ty = make(y, TO_FLOAT32, 2, shape, NULL, NULL);
+  to_tensor_h tdy = make(dy, TO_FLOAT32, 2, shape, NULL, NULL), tdx = make(dx, TO_FLOAT32, 2, shape, NULL, NULL);
+  to_tensor_h tdw = make(dw, TO_FLOAT32, 1, wshape, NULL, NULL), tdx1 = make(dx1, TO_FLOAT32, 2, shape, NULL, NULL);
+  to_tensor_h tdw1 = make(dw1, TO_FLOAT32, 1, wshape, NULL, NULL);
+  const double sc[3] = {1e-5, 1.0, 0.0};
+  const to_tensor_h in[2] = {tx, tw}, out[1] = {ty};
+  EXPECT_OK(to_op_run(TO_OP_rms_norm, in, 2, out, 1, sc, 2, NULL, 0));
+  for (int r = 0; r < ROWS; ++r) {
+    double ss = 0;
+    for (int j = 0; j < COLS; ++j) ss += (double)x[r * COLS + j] * x[r * COLS + j];
+    const double inv = 1.0 / sqrt(ss / COLS + sc[0]);
+    for (int j = 0; j < COLS; ++j) {
+      const double want = x[r * COLS + j] * inv * (1.0 + w[j]);
+      if (fabs(y[r * COLS + j] - want) > 1e-5 * (1.0 + fabs(want))) {
+        fprintf(stderr, "rms_norm offset 1: y[%d][%d] = %.8g, want %.8g\n", r, j, y[r * COLS + j], want);
+        ++failures;
+      }
+    }
+  }
+  const to_tensor_h bin[3] = {tdy, tx, tw}, bout[2] = {tdx, tdw};
+  EXPECT_OK(to_op_run(TO_OP_rms_norm_backward, bin, 3, bout, 2, sc, 2, NULL, 0));
+  EXPECT_OK(to_rms_norm_backward(tdy, tx, tw1, tdx1, tdw1, sc[0]));
+  CHECK(memcmp(dx, dx1, sizeof(dx)) == 0 && memcmp(dw, dw1, sizeof(dw)) == 0);
+  EXPECT_ERROR(to_op_run(TO_OP_rms_norm, in, 2, out, 1, sc, 3, NULL, 0), TO_ERR_INVALID_ARGUMENT,
+               "takes 1 scalars, got 3");
+  const double nan_offset[2] = {1e-5, NAN};
+  EXPECT_ERROR(to_op_run(TO_OP_rms_norm_backward, bin, 3, bout, 2, nan_offset, 2, NULL, 0),
+               TO_ERR_INVALID_ARGUMENT, "offset must be finite");
+  to_tensor_destroy(tx);
+  to_tensor_destroy(tw);
+  to_tensor_destroy(tw1);
+  to_tensor_destroy(ty);
+  to_tensor_destroy(tdy);
+  to_tensor_destroy(tdx);
+  to_tensor_destroy(tdw);
+  to_tensor_destroy(tdx1);
+  to_tensor_destroy(tdw1);
+}
+
 /* cross_entropy through to_op_run with its options (4 scalars): label
  * smoothing 0.1, z-loss 0.01, softcap 2 against a double reference; the
  * 1-scalar form still works and other counts are refused. */
@@ -303,6 +353,7 @@ int main(void) {
   test_backends();
   test_rms_norm_values();
   test_cross_entropy_options();
+  test_rms_norm_offset();
   test_bad_input();
   test_last_error_is_per_thread();
   if (failures) {

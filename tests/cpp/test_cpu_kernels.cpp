@@ -372,6 +372,52 @@ TEST_P(KernelTest, LinearKnMatchesReferenceAndIsBatchAndThreadInvariant) {
         }
 }
 
+// rms_norm's weight offset (Gemma's 1 + w): the forward against float64 with
+// offset + w; offset 0 is the plain norm bit for bit (-0.0 weights included);
+// the backward's dweight does not depend on the offset, and its dx is the
+// float32 kernel's on float32 copies with the weight offset + w (exact here:
+// weights are multiples of 1/64), rounded to the dtype.
+TEST_P(KernelTest, RmsNormWeightOffset) {
+  const uint32_t seed = 4321;
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> steps(-128, 128);
+  const int64_t rows = 3;
+  for (int64_t cols : {1, 7, 64, 4095, 8193}) {
+    SCOPED_TRACE(case_name(Op::RmsNorm, dtype(), rows, cols));
+    HostBuffer x(dtype(), rows * cols), dy(dtype(), rows * cols), w(dtype(), cols), y(dtype(), rows * cols),
+        plain(dtype(), rows * cols);
+    fill_input(Op::RmsNorm, x, rows, cols, cols, rng);
+    fill_input(Op::RmsNorm, dy, rows, cols, cols, rng);
+    for (int64_t c = 0; c < cols; ++c) w.set(c, c % 5 == 0 ? -0.0f : float(steps(rng)) / 64);
+    rms_norm(x.tensor({rows, cols}), w.tensor({cols}), plain.tensor({rows, cols}), kEps);
+    rms_norm(x.tensor({rows, cols}), w.tensor({cols}), y.tensor({rows, cols}), kEps, 0.0);
+    for (int64_t i = 0; i < y.size(); ++i) ASSERT_EQ(y.bits(i), plain.bits(i)) << "offset 0, element " << i;
+    HostBuffer dx0(dtype(), rows * cols), dw0(dtype(), cols);
+    rms_norm_backward(dy.tensor({rows, cols}), x.tensor({rows, cols}), w.tensor({cols}), dx0.tensor({rows, cols}),
+                      dw0.tensor({cols}), kEps);
+    for (double offset : {1.0, -0.5}) {
+      SCOPED_TRACE("offset " + std::to_string(offset));
+      HostBuffer w_off(dtype(), cols), x32(DType::Float32, rows * cols), dy32(DType::Float32, rows * cols),
+          w32(DType::Float32, cols);
+      for (int64_t c = 0; c < cols; ++c) w_off.set(c, float(offset) + w.get(c)), w32.set(c, w_off.get(c));
+      for (int64_t i = 0; i < x.size(); ++i) x32.set(i, x.get(i)), dy32.set(i, dy.get(i));
+      rms_norm(x.tensor({rows, cols}), w.tensor({cols}), y.tensor({rows, cols}), kEps, offset);
+      EXPECT_TRUE(matches_reference(y, rows, cols, cols, reference(Op::RmsNorm, x, rows, cols, cols, w_off)));
+      HostBuffer dx(dtype(), rows * cols), dw(dtype(), cols), dx32(DType::Float32, rows * cols),
+          dw32(DType::Float32, cols);
+      rms_norm_backward(dy.tensor({rows, cols}), x.tensor({rows, cols}), w.tensor({cols}), dx.tensor({rows, cols}),
+                        dw.tensor({cols}), kEps, offset);
+      rms_norm_backward(dy32.tensor({rows, cols}), x32.tensor({rows, cols}), w32.tensor({cols}),
+                        dx32.tensor({rows, cols}), dw32.tensor({cols}), kEps);
+      for (int64_t c = 0; c < cols; ++c) ASSERT_EQ(dw.bits(c), dw0.bits(c)) << "dweight " << c;
+      HostBuffer want(dtype(), rows * cols);
+      for (int64_t i = 0; i < dx.size(); ++i) want.set(i, dx32.get(i));
+      for (int64_t i = 0; i < dx.size(); ++i) ASSERT_EQ(dx.bits(i), want.bits(i)) << "dx element " << i;
+    }
+  }
+}
+
 std::string kernel_test_name(const ::testing::TestParamInfo<KernelTest::ParamType>& info) {
   return std::get<0>(info.param) + "_" + dtype_name(std::get<1>(info.param));
 }

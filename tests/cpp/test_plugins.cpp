@@ -327,6 +327,19 @@ TEST_F(PluginTest, OpsTheMockLacksAreUnsupported) {
   EXPECT_THAT(thrown_message<Unsupported>([&] { gelu(tx, ty); }), HasSubstr("gelu"));
 }
 
+// The mock's table lacks TO_BACKEND_NORM_OFFSET: a nonzero rms_norm weight
+// offset is refused by the core with the backend's name (an older plugin
+// would read only scalars[0] and silently drop it).
+TEST_F(PluginTest, WeightOffsetNeedsTheBackendsFlag) {
+  HostBuffer x(DType::Float32, 8), w(DType::Float32, 4), y(DType::Float32, 8), dw(DType::Float32, 4);
+  const Tensor tx = x.tensor({2, 4}, {}, kMock), tw = w.tensor({4}, {}, kMock), ty = y.tensor({2, 4}, {}, kMock),
+               tdw = dw.tensor({4}, {}, kMock);
+  std::string msg = thrown_message<Unsupported>([&] { rms_norm(tx, tw, ty, 1e-6, 1.0); });
+  EXPECT_THAT(msg, HasSubstr("rms_norm: backend 'mock' does not implement the weight offset"));
+  msg = thrown_message<Unsupported>([&] { rms_norm_backward(tx, tx, tw, ty, tdw, 1e-6, -0.5); });
+  EXPECT_THAT(msg, HasSubstr("rms_norm_backward: backend 'mock' does not implement the weight offset"));
+}
+
 TEST_F(PluginTest, MockDeviceChecks) {
   HostBuffer x(DType::Float32, 4), y(DType::Float32, 4);
   // One device: mock:1 does not exist.

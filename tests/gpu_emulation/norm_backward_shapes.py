@@ -4,7 +4,8 @@ CPU backend: the conformance files use rows of at most a few hundred
 columns, which take only the one-chunk-per-thread variant (K = 1) of
 norm_backward_kernel in cuda/norm.cu. These shapes take K = 2, K = 4, the
 wide fallback (norm_backward_wide_kernel), the scalar path (V = 1) and more
-rows than the grid's kBackwardBlocks (a block over several rows).
+rows than the grid's kBackwardBlocks (a block over several rows); the rms
+backward with and without its weight offset.
 Also checks that two runs give the same bits (the sums' order is fixed).
 
     python3 tests/gpu_emulation/norm_backward_shapes.py [--backends cuda,hip]
@@ -57,6 +58,8 @@ def main():
                 dy = rng.standard_normal((rows, cols)).astype(np.float32).astype(dt)
                 w = rng.standard_normal(cols).astype(np.float32).astype(dt)
                 for name, fn in (("rms_norm_backward", to.rms_norm_backward),
+                                 ("rms_norm_backward offset 1",
+                                  lambda dy, x, w: to.rms_norm_backward(dy, x, w, offset=1.0)),
                                  ("layer_norm_backward", to.layer_norm_backward)):
                     with to.use("cpu"):
                         ref = fn(dy, x, w)

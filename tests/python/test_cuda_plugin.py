@@ -184,8 +184,9 @@ def table(unusable):
 
 
 def test_table_reports_the_probe(table, unusable):
-    # device pointers, not handles (TO_BACKEND_HANDLE_MEMORY 1); the cross-entropy options read (TO_BACKEND_CE_OPTIONS 4)
-    assert table.name.decode() == unusable.name and table.flags == 4
+    # device pointers, not handles (TO_BACKEND_HANDLE_MEMORY 1); the cross-entropy options read (TO_BACKEND_CE_OPTIONS 4),
+    # rms_norm's weight offset too (TO_BACKEND_NORM_OFFSET 8)
+    assert table.name.decode() == unusable.name and table.flags == 4 | 8
     assert table.priority() == PRIORITY[unusable.name]
     assert table.device_count() == 0
     reason = ctypes.create_string_buffer(512)

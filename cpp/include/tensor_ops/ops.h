@@ -16,8 +16,11 @@ enum class OpId : int32_t {
 
 const char* op_name(OpId op);
 
-// y = x / sqrt(mean(x^2, last dim) + eps) * weight
-void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, double eps = 1e-6);
+// y = x / sqrt(mean(x^2, last dim) + eps) * (offset + weight), the factor
+// computed in fp32 as float(offset) + float(weight) (Gemma's 1 + w: offset 1).
+// scalars[0] eps, [1] offset (backends with TO_BACKEND_NORM_OFFSET only; a
+// zero offset is the plain norm, bit for bit).
+void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, double eps = 1e-6, double offset = 0);
 // y = x * sigmoid(x)
 void silu(const Tensor& x, const Tensor& out);
 // approximate: "none" (erf) or "tanh"
@@ -30,9 +33,10 @@ Activation activation_from_name(const std::string& name, const std::string& appr
 // Row-wise ops work on the last dimension. Kernel argument layouts:
 // layer_norm: in x, weight, bias? -> y; scalars[0] eps; ints[0] has_bias.
 void layer_norm(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& out, double eps);
-// rms_norm_backward: in dy, x, weight -> dx, dweight; scalars[0] eps.
+// rms_norm_backward: in dy, x, weight -> dx, dweight; scalars[0] eps, [1] offset (as rms_norm's:
+// dx uses offset + weight; dweight, the sum of dy * x_hat, does not depend on it).
 void rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& dx,
-                       const Tensor& dweight, double eps);
+                       const Tensor& dweight, double eps, double offset = 0);
 // layer_norm_backward: in dy, x, weight -> dx, dweight, dbias?; eps; ints[0] has_bias.
 void layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& dx,
                          const Tensor& dweight, const Tensor* dbias, double eps);

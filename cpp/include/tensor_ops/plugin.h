@@ -103,6 +103,10 @@ typedef to_status (*to_kernel_fn)(const to_op_call* call);
  * core refuses those options on a backend without this flag (older plugins
  * read only scalars[0] and ints[0..1]). */
 #define TO_BACKEND_CE_OPTIONS 4u
+/* rms_norm and rms_norm_backward read scalars[1], the weight offset (y = x *
+ * rstd * (offset + w), Gemma's 1 + w); the core refuses a nonzero offset on a
+ * backend without this flag (older plugins read only scalars[0]). */
+#define TO_BACKEND_NORM_OFFSET 8u
 
 typedef struct to_backend_v1 {
   uint32_t abi_version; /* TENSOR_OPS_PLUGIN_ABI_VERSION */

@@ -110,11 +110,12 @@ TENSOR_OPS_API to_status to_op_id(const char* name, int32_t* op);
  * of the typed functions below (optional ones NULL); the counts must match
  * exactly:
  *   op                   in  out  scalars        ints
- *   rms_norm              2   1   eps            -
+ *   rms_norm              2   1   eps            -              (2 scalars: [, offset]:
+ *                                 y = x * rstd * (offset + weight), Gemma's offset 1)
  *   silu                  1   1   -              -
  *   gelu                  1   1   -              approximate_tanh
  *   layer_norm            3   1   eps            -              (bias optional)
- *   rms_norm_backward     3   2   eps            -
+ *   rms_norm_backward     3   2   eps            -              (2 scalars: [, offset])
  *   layer_norm_backward   3   3   eps            -              (dbias optional)
  *   add_rms_norm          3   2   eps            -
  *   softmax               1   1   scale          causal, log

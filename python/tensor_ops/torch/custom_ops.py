@@ -100,8 +100,9 @@ def _loss_like(logits, reduction):
 
 # ---- backward kernels (ops of their own, so compiled backward graphs call them)
 
-def rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tuple[Tensor, Tensor]:
-    return _to.rms_norm_backward(_c(dy), _c(x), _c(weight), eps)
+def rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float = 1e-6,
+                      offset: float = 0.0) -> Tuple[Tensor, Tensor]:
+    return _to.rms_norm_backward(_c(dy), _c(x), _c(weight), eps, offset=offset)
 
 
 def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tuple[Tensor, Tensor, Tensor]:
@@ -145,7 +146,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                                   causal_alignment=causal_alignment)
 
 
-_register(rms_norm_backward, lambda dy, x, weight, eps=1e-6: (_like(x), _like(weight)))
+_register(rms_norm_backward, lambda dy, x, weight, eps=1e-6, offset=0.0: (_like(x), _like(weight)))
 _register(layer_norm_backward, lambda dy, x, weight, eps=1e-5: (_like(x), _like(weight), _like(weight)))
 _register(silu_backward, lambda dy, x: _like(x))
 _register(gelu_backward, lambda dy, x, approximate="none": _like(x))
@@ -161,23 +162,25 @@ _register(attention_backward,
 
 # ---- forward ops, each with its setup_context and backward
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
-    return _to.rms_norm(_c(x), _c(weight), eps)
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) -> Tensor:
+    """x / sqrt(mean(x**2) + eps) * (offset + weight) (Gemma's 1 + w: offset 1.0)."""
+    return _to.rms_norm(_c(x), _c(weight), eps, offset=offset)
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps = inputs
+    x, weight, eps, offset = inputs
     ctx.save_for_backward(x, weight)
-    ctx.eps = eps
+    ctx.eps, ctx.offset = eps, offset
 
 
 def _rms_norm_bwd(ctx, dy, k):
+    # d(offset + w)/dw = 1: the kernel's dweight is the weight's gradient as it is.
     x, weight = ctx.saved_tensors
-    dx, dw = k.rms_norm_backward(dy, x, weight, ctx.eps)
-    return dx, dw, None
+    dx, dw = k.rms_norm_backward(dy, x, weight, ctx.eps, ctx.offset)
+    return dx, dw, None, None
 
 
-_register(rms_norm, lambda x, weight, eps=1e-6: _like(x), _rms_norm_setup, _rms_norm_bwd)
+_register(rms_norm, lambda x, weight, eps=1e-6, offset=0.0: _like(x), _rms_norm_setup, _rms_norm_bwd)
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:

@@ -35,9 +35,10 @@ def _run(name: str, *args):
     return OPS[name](*args)
 
 
-def rms_norm(x, weight, eps: float = 1e-6):
-    """x / sqrt(mean(x**2, last dim) + eps) * weight, accumulated in fp32."""
-    return _run("rms_norm", x, weight, eps)
+def rms_norm(x, weight, eps: float = 1e-6, offset: float = 0.0):
+    """x / sqrt(mean(x**2, last dim) + eps) * (offset + weight), accumulated in
+    fp32, offset + weight formed in fp32 (Gemma's 1 + w: offset=1.0)."""
+    return _run("rms_norm", x, weight, eps, offset)
 
 
 def layer_norm(x, weight, bias=None, eps: float = 1e-5):
@@ -122,8 +123,8 @@ def cross_entropy_with_grad(logits, target, ignore_index: int = -100, reduction:
     return _run("cross_entropy_with_grad", logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap)
 
 
-def rms_norm_backward(dy, x, weight, eps: float = 1e-6):
-    return _run("rms_norm_backward", dy, x, weight, eps)
+def rms_norm_backward(dy, x, weight, eps: float = 1e-6, offset: float = 0.0):
+    return _run("rms_norm_backward", dy, x, weight, eps, offset)
 
 
 def layer_norm_backward(dy, x, weight, eps: float = 1e-5):

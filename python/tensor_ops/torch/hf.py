@@ -13,10 +13,12 @@ What runs where:
 - norms: HF's RMSNorm classes (Gemma's x / rms * (1 + weight) too) become
   subclasses of themselves whose forward is our rms_norm kernel (same object,
   same Parameter: optimizers, state_dict and isinstance checks keep working).
-  Note [Gemma's offset]: our rms_norm kernel has no weight offset yet, so the
-  offset is applied to the [hidden] weight vector per call (1 + weight, in
-  float32, then in x's dtype), not to the [tokens, hidden] activations; a
-  kernel offset parameter would save that one tiny add.
+  Note [Gemma's offset]: the rms_norm kernel takes the offset (offset=1.0)
+  and forms 1 + weight in float32 per element, as Gemma's own forward does
+  (x.float() * rstd * (1.0 + weight.float()), then x's dtype): nothing is
+  materialised per call, and a bf16 model no longer rounds 1 + weight to bf16
+  first (which it did when the offset was added here). The weight is passed
+  as it is when its dtype is x's (the usual case), else cast to x's dtype.
 - gated MLPs (LlamaMLP-like; Phi3MLP's fused gate_up_proj) run act(gate) * up
   in one swiglu / geglu kernel; dense + activation pairs (GPT-NeoX, BERT,
   GPT-2's Conv1D) become one Linear + activation epilogue (fused_linear);
@@ -128,8 +130,8 @@ def _rms_norm_forward(self, x):
 
 
 def _offset_rms_norm_forward(self, x):
-    # Note [Gemma's offset]: (1 + weight) in float32 as Gemma's own forward, per call on the weight vector only.
-    return ops.rms_norm(x, (self.weight.float() + 1.0).to(x.dtype), self.eps)
+    # Note [Gemma's offset]: the kernel forms 1 + weight in float32, as Gemma's own forward.
+    return ops.rms_norm(x, self.weight.to(x.dtype), self.eps, 1.0)
 
 
 def _gated_mlp_forward(self, x):
