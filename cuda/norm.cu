@@ -14,32 +14,60 @@ namespace {
 // Every pass over a row visits chunk i from the same thread, so an output may
 // be its input (in place): each element is read before the same thread writes
 // it, and other threads never touch it. Blocks stride over rows past the grid.
+// A row of up to blockDim.x * kRowChunks<T> chunks is read once and kept
+// in registers (chunks threadIdx.x + c * blockDim.x); a longer one is read
+// again per pass. 16 fp32 values a thread: 4 chunks of fp32, 2 of 16-bit
+// types (more spill under the 1024-thread launch bound).
+template <class T>
+constexpr int kRowChunks = sizeof(T) == 4 ? 4 : 2;
+
+// Runs f(i, chunk) over this thread's chunks of a row: from the registers a
+// (loading them first when load), or streaming each from row.
+template <class T, int V, class F>
+__device__ __forceinline__ void for_chunks(bool in_registers, bool load, const T* row, int64_t chunks,
+                                           float (&a)[kRowChunks<T>][V], F&& f) {
+  if (in_registers) {
+#pragma unroll
+    for (int c = 0; c < kRowChunks<T>; ++c) {
+      const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
+      if (i >= chunks) break;
+      if (load) load_chunk(row, i, a[c]);
+      f(i, a[c]);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+      float b[V];
+      load_chunk(row, i, b);
+      f(i, b);
+    }
+  }
+}
+
 template <class T, int V>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     rms_norm_kernel(const T* x, int64_t x_stride, const T* __restrict__ w, T* y, int64_t y_stride,
                     int64_t rows, int64_t cols, float eps, float offset) {
   const int64_t chunks = cols / V;
+  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks<T>;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * x_stride;
     T* yr = y + r * y_stride;
+    float a[kRowChunks<T>][V];
     float squares = 0.0f;
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float a[V];
-      load_chunk(xr, i, a);
+    for_chunks<T, V>(in_registers, true, xr, chunks, a, [&](int64_t, const float (&b)[V]) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) squares += a[k] * a[k];
-    }
+      for (int k = 0; k < V; ++k) squares += b[k] * b[k];
+    });
     const float sum = block_sum(squares);
     // One double op per row: the same rounding as the CPU backend's scale.
     const float scale = float(1.0 / sqrt(double(sum) / double(cols) + double(eps)));
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float a[V], b[V];
-      load_chunk(xr, i, a);
-      load_chunk(w, i, b);
+    for_chunks<T, V>(in_registers, false, xr, chunks, a, [&](int64_t i, float (&b)[V]) {
+      float wv[V];
+      load_chunk(w, i, wv);
 #pragma unroll
-      for (int k = 0; k < V; ++k) a[k] = a[k] * scale * (b[k] + offset);
-      store_chunk(yr, i, a);
-    }
+      for (int k = 0; k < V; ++k) b[k] = b[k] * scale * (wv[k] + offset);
+      store_chunk(yr, i, b);
+    });
   }
 }
 
@@ -50,74 +78,78 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     layer_norm_kernel(const T* x, int64_t x_stride, const T* __restrict__ w, const T* __restrict__ b, T* y,
                       int64_t y_stride, int64_t rows, int64_t cols, float eps) {
   const int64_t chunks = cols / V;
+  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks<T>;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * x_stride;
     T* yr = y + r * y_stride;
+    float a[kRowChunks<T>][V];
     float part = 0.0f;
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float a[V];
-      load_chunk(xr, i, a);
+    for_chunks<T, V>(in_registers, true, xr, chunks, a, [&](int64_t, const float (&c)[V]) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) part += a[k];
-    }
+      for (int k = 0; k < V; ++k) part += c[k];
+    });
     const float mean = float(double(block_sum(part)) / double(cols));
     part = 0.0f;
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float a[V];
-      load_chunk(xr, i, a);
+    for_chunks<T, V>(in_registers, false, xr, chunks, a, [&](int64_t, const float (&c)[V]) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) part += (a[k] - mean) * (a[k] - mean);
-    }
+      for (int k = 0; k < V; ++k) part += (c[k] - mean) * (c[k] - mean);
+    });
     const float rstd = float(1.0 / sqrt(double(block_sum(part)) / double(cols) + double(eps)));
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float a[V], wv[V], bv[V] = {};
-      load_chunk(xr, i, a);
+    for_chunks<T, V>(in_registers, false, xr, chunks, a, [&](int64_t i, float (&c)[V]) {
+      float wv[V], bv[V] = {};
       load_chunk(w, i, wv);
       if (b) load_chunk(b, i, bv);
 #pragma unroll
-      for (int k = 0; k < V; ++k) a[k] = (a[k] - mean) * rstd * wv[k] + bv[k];
-      store_chunk(yr, i, a);
-    }
+      for (int k = 0; k < V; ++k) c[k] = (c[k] - mean) * rstd * wv[k] + bv[k];
+      store_chunk(yr, i, c);
+    });
   }
 }
 
 // s = x + residual, rounded to T and stored as residual_out; y normalises
-// the stored s (read back by the thread that wrote it). out may be x and
-// residual_out may be residual (the core allows nothing else).
+// the rounded s (kept by the thread that stored it: in its registers, or
+// read back from residual_out for long rows). out may be x and residual_out
+// may be residual (the core allows nothing else).
 template <class T, int V>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     add_rms_norm_kernel(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const T* __restrict__ w,
                         T* y, int64_t y_stride, T* res_out, int64_t res_out_stride, int64_t rows, int64_t cols,
                         float eps) {
   const int64_t chunks = cols / V;
+  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks<T>;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * x_stride;
     const T* rr = res + r * res_stride;
     T* yr = y + r * y_stride;
     T* ro = res_out + r * res_out_stride;
+    float a[kRowChunks<T>][V];
     float squares = 0.0f;
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float a[V], c[V];
-      load_chunk(xr, i, a);
-      load_chunk(rr, i, c);
+    for_chunks<T, V>(in_registers, true, xr, chunks, a, [&](int64_t i, float (&c)[V]) {
+      float d[V];
+      load_chunk(rr, i, d);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        a[k] = to_f32(from_f32<T>(a[k] + c[k]));
-        squares += a[k] * a[k];
+        c[k] = to_f32(from_f32<T>(c[k] + d[k]));
+        squares += c[k] * c[k];
       }
-      store_chunk(ro, i, a);
-    }
+      store_chunk(ro, i, c);
+    });
     const float scale = float(1.0 / sqrt(double(block_sum(squares)) / double(cols) + double(eps)));
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float a[V], wv[V];
-      load_chunk(ro, i, a);
+    for_chunks<T, V>(in_registers, false, ro, chunks, a, [&](int64_t i, float (&c)[V]) {
+      float wv[V];
       load_chunk(w, i, wv);
 #pragma unroll
-      for (int k = 0; k < V; ++k) a[k] = a[k] * scale * wv[k];
-      store_chunk(yr, i, a);
-    }
+      for (int k = 0; k < V; ++k) c[k] = c[k] * scale * wv[k];
+      store_chunk(yr, i, c);
+    });
   }
 }
+
+// Threads of a norm_backward_kernel block: at most 512, so that a thread may
+// hold 128 registers (x, dy, w and the dweight / dbias sums of K chunks;
+// under a 1024-thread bound, 64, and K = 4 spilled 300-900 bytes). One
+// block per SM runs anyway (kBackwardBlocks).
+constexpr int kBackwardThreads = 512;
 
 // Norm backward, first stage: dx per row, and per block the fp32 sums over
 // its rows of dy * x_hat (dweight) and dy (dbias, Layer only), written once
@@ -131,7 +163,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
 // be dy or x (the core allows the same view): a thread writes only chunks it
 // has already read.
 template <class T, int V, int K, bool Layer>
-__global__ void __launch_bounds__(kMaxBlockThreads)
+__global__ void __launch_bounds__(kBackwardThreads)
     norm_backward_kernel(const T* dy, int64_t dy_stride, const T* x, int64_t x_stride, const T* __restrict__ w,
                          T* dx, int64_t dx_stride, float* __restrict__ partial, int64_t rows, int64_t cols,
                          float eps, float offset) {
@@ -393,7 +425,7 @@ to_status norm_backward_typed(const to_op_call* c, cudaStream_t stream) {
     const to_status s = with_chunk<T>(rows_aligned16({&gt, &xt, &wt, &dxt}, sizeof(T)), [&](auto v) {
       constexpr int V = decltype(v)::value;
       const int64_t chunks = cols / V;
-      const int64_t per_thread = ceil_div(chunks, kMaxBlockThreads);
+      const int64_t per_thread = ceil_div(chunks, kBackwardThreads);
       const float eps = float(c->scalars[0]), offset = weight_offset(Layer ? 0.0 : c->scalars[1]);
       auto run = [&](auto k) {
         constexpr int K = decltype(k)::value;

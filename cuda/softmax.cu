@@ -89,16 +89,20 @@ template <class T, int V>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     softmax_backward_kernel(const T* dy, int64_t dy_stride, const T* y, int64_t y_stride, T* dx, int64_t dx_stride,
                             int64_t rows, int64_t cols, float scale, bool log) {
+  // Two rows (dy and y) in registers: half the chunks of the one-row kernels
+  // for 16-bit types (whose chunks hold twice the elements), or 64 fp32
+  // values a thread would spill under the 1024-thread launch bound.
+  constexpr int kChunks = sizeof(T) == 4 ? kRowChunks : kRowChunks / 2;
   const int64_t chunks = cols / V;
-  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks;
+  const bool in_registers = chunks <= int64_t(blockDim.x) * kChunks;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* gr = dy + r * dy_stride;
     const T* yr = y + r * y_stride;
     float part = 0.0f;
-    float g[kRowChunks][V], p[kRowChunks][V];  // when in_registers
+    float g[kChunks][V], p[kChunks][V];  // when in_registers
     if (in_registers) {
 #pragma unroll
-      for (int c = 0; c < kRowChunks; ++c) {
+      for (int c = 0; c < kChunks; ++c) {
         const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
         if (i >= chunks) break;
         load_chunk(gr, i, g[c]);
@@ -124,7 +128,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     };
     if (in_registers) {
 #pragma unroll
-      for (int c = 0; c < kRowChunks; ++c) {
+      for (int c = 0; c < kChunks; ++c) {
         const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
         if (i >= chunks) break;
         finish(i, g[c], p[c]);

@@ -2,7 +2,7 @@
 """Kernel paths of cuda/ that the conformance files' small shapes do not
 reach, on the emulated backends, against the CPU backend (and two runs for
 the same bits):
-- softmax / log_softmax / their backward / cross-entropy (with gradient,
+- the norms' forward, softmax / log_softmax / their backward / cross-entropy (with gradient,
   in place, ignored rows, label smoothing): rows held in registers (up to
   kRowChunks chunks per thread) at and just past that limit, where they
   stream twice, and the scalar path (cols not a whole number of chunks);
@@ -72,7 +72,12 @@ def cases(rng, dtype):
         t = rng.integers(0, cols, rows).astype(np.int64)
         t[0] = -100
         tag = f"{dtype} [{rows}, {cols}]"
+        w, b = rand(cols), rand(cols)
         out += [
+            # Outputs O(|w|): the row sums' order differs from the CPU's, an absolute floor of 0.1 RTOL.
+            (f"rms_norm {tag}", lambda x=x, w=w: to.rms_norm(x, w), 0.1),
+            (f"layer_norm {tag}", lambda x=x, w=w, b=b: to.layer_norm(x, w, b), 0.1),
+            (f"add_rms_norm {tag}", lambda x=x, dy=dy, w=w: to.add_rms_norm(x, dy, w), 0.1),
             (f"softmax {tag}", lambda x=x: to.softmax(x, scale=0.7), 0.0),
             (f"log_softmax causal {tag}", lambda x=x: to.log_softmax(x, causal=True), 0.0),
             (f"softmax_backward {tag}", lambda dy=dy, y=y: to.softmax_backward(dy, y), 1e-3),

@@ -24,8 +24,8 @@ except ImportError:  # bfloat16 numpy arrays need ml_dtypes
 import tensor_ops as to
 
 # (rows, cols): fp32 chunks are 4 elements, fp16 / bf16 8; a block has at
-# most 1024 threads, so chunks > 1024 need K = 2, > 2048 K = 4, > 4096 the
-# wide kernel; cols not a whole number of chunks take V = 1.
+# most 512 threads (kBackwardThreads), so chunks > 512 need K = 2, > 1024
+# K = 4, > 2048 the wide kernel; cols not a whole number of chunks take V = 1.
 SHAPES = [(3, 8192), (2, 16384), (5, 40000), (300, 64), (140, 1000), (2, 3001), (1, 4097)]
 RTOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
 
