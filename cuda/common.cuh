@@ -283,6 +283,36 @@ __device__ __forceinline__ void store_chunk(T* row, int64_t i, const float (&in)
   reinterpret_cast<Vec<T, V>*>(row)[i] = c;
 }
 
+// The row kernels (norms, softmax, cross-entropy) keep a row of up to
+// blockDim.x * kRowChunks<T> chunks in registers (chunks threadIdx.x + c *
+// blockDim.x), so it is read from global memory once; a longer row is read
+// again per pass. 16 fp32 values a thread: 4 chunks of fp32, 2 of 16-bit
+// types (more spill under the 1024-thread launch bound).
+template <class T>
+constexpr int kRowChunks = sizeof(T) == 4 ? 4 : 2;
+
+// Runs f(i, chunk) over this thread's chunks of a row: from the registers a
+// (loading them first when load), or streaming each from row.
+template <class T, int V, class F>
+__device__ __forceinline__ void for_chunks(bool in_registers, bool load, const T* row, int64_t chunks,
+                                           float (&a)[kRowChunks<T>][V], F&& f) {
+  if (in_registers) {
+#pragma unroll
+    for (int c = 0; c < kRowChunks<T>; ++c) {
+      const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
+      if (i >= chunks) break;
+      if (load) load_chunk(row, i, a[c]);
+      f(i, a[c]);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+      float b[V];
+      load_chunk(row, i, b);
+      f(i, b);
+    }
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);

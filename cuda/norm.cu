@@ -14,35 +14,7 @@ namespace {
 // Every pass over a row visits chunk i from the same thread, so an output may
 // be its input (in place): each element is read before the same thread writes
 // it, and other threads never touch it. Blocks stride over rows past the grid.
-// A row of up to blockDim.x * kRowChunks<T> chunks is read once and kept
-// in registers (chunks threadIdx.x + c * blockDim.x); a longer one is read
-// again per pass. 16 fp32 values a thread: 4 chunks of fp32, 2 of 16-bit
-// types (more spill under the 1024-thread launch bound).
-template <class T>
-constexpr int kRowChunks = sizeof(T) == 4 ? 4 : 2;
-
-// Runs f(i, chunk) over this thread's chunks of a row: from the registers a
-// (loading them first when load), or streaming each from row.
-template <class T, int V, class F>
-__device__ __forceinline__ void for_chunks(bool in_registers, bool load, const T* row, int64_t chunks,
-                                           float (&a)[kRowChunks<T>][V], F&& f) {
-  if (in_registers) {
-#pragma unroll
-    for (int c = 0; c < kRowChunks<T>; ++c) {
-      const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
-      if (i >= chunks) break;
-      if (load) load_chunk(row, i, a[c]);
-      f(i, a[c]);
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float b[V];
-      load_chunk(row, i, b);
-      f(i, b);
-    }
-  }
-}
-
+// The row stays in registers (for_chunks, common.cuh).
 template <class T, int V>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     rms_norm_kernel(const T* x, int64_t x_stride, const T* __restrict__ w, T* y, int64_t y_stride,

@@ -11,10 +11,6 @@
 namespace tensor_ops::gpu {
 namespace {
 
-// Chunks a thread keeps in registers: a row of up to blockDim.x * kRowChunks
-// chunks is read from global memory once; longer rows are read twice.
-constexpr int kRowChunks = 4;
-
 // y = softmax(scale * x) (log_softmax when log). causal: row r is query
 // i = r % lq of the last two dims and sees columns j < i + cols - lq + 1
 // (causal 1, bottom-right aligned) or j < i + 1 (causal 2, top-left); a row that sees nothing is 0 (log: -inf), as are
@@ -24,32 +20,18 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     softmax_kernel(const T* x, int64_t x_stride, T* y, int64_t y_stride, int64_t rows, int64_t cols, float scale,
                    int causal, int64_t lq, bool log) {
   const int64_t chunks = cols / V;
-  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks;
+  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks<T>;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * x_stride;
     T* yr = y + r * y_stride;
     const int64_t valid = causal ? clamp64(r % lq + (causal == 2 ? 0 : cols - lq) + 1, 0, cols) : cols;
     float m = kNegInf, s = 0.0f;
-    float a[kRowChunks][V];  // the row's chunks threadIdx.x + c * blockDim.x, when in_registers
-    if (in_registers) {
+    float a[kRowChunks<T>][V];
+    for_chunks<T, V>(in_registers, true, xr, chunks, a, [&](int64_t i, const float (&b)[V]) {
 #pragma unroll
-      for (int c = 0; c < kRowChunks; ++c) {
-        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
-        if (i >= chunks) break;
-        load_chunk(xr, i, a[c]);
-#pragma unroll
-        for (int k = 0; k < V; ++k)
-          if (i * V + k < valid) online_add(mul_rn(a[c][k], scale), m, s);
-      }
-    } else {
-      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-        float b[V];
-        load_chunk(xr, i, b);
-#pragma unroll
-        for (int k = 0; k < V; ++k)
-          if (i * V + k < valid) online_add(mul_rn(b[k], scale), m, s);
-      }
-    }
+      for (int k = 0; k < V; ++k)
+        if (i * V + k < valid) online_add(mul_rn(b[k], scale), m, s);
+    });
     float sum;
     const float row_max = block_max_sum(m, s, &sum);
     // log: v - (max + log(sum)); else exp(v - max) / sum. v = x * scale is
@@ -58,28 +40,14 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     const float shift = log ? row_max + logf(sum) : row_max;
     const float inv = 1.0f / sum;
     const float masked = log ? kNegInf : 0.0f;
-    const auto finish = [&](int64_t i, float (&b)[V]) {
+    for_chunks<T, V>(in_registers, false, xr, chunks, a, [&](int64_t i, float (&b)[V]) {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const float v = mul_rn(b[k], scale) - shift;
         b[k] = i * V + k >= valid ? masked : (log ? v : expf(v) * inv);
       }
       store_chunk(yr, i, b);
-    };
-    if (in_registers) {
-#pragma unroll
-      for (int c = 0; c < kRowChunks; ++c) {
-        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
-        if (i >= chunks) break;
-        finish(i, a[c]);
-      }
-    } else {
-      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-        float b[V];
-        load_chunk(xr, i, b);
-        finish(i, b);
-      }
-    }
+    });
   }
 }
 
@@ -89,10 +57,9 @@ template <class T, int V>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     softmax_backward_kernel(const T* dy, int64_t dy_stride, const T* y, int64_t y_stride, T* dx, int64_t dx_stride,
                             int64_t rows, int64_t cols, float scale, bool log) {
-  // Two rows (dy and y) in registers: half the chunks of the one-row kernels
-  // for 16-bit types (whose chunks hold twice the elements), or 64 fp32
-  // values a thread would spill under the 1024-thread launch bound.
-  constexpr int kChunks = sizeof(T) == 4 ? kRowChunks : kRowChunks / 2;
+  // Two rows (dy and y) in registers, kRowChunks<T> chunks of each (the
+  // one-row for_chunks of common.cuh, twice).
+  constexpr int kChunks = kRowChunks<T>;
   const int64_t chunks = cols / V;
   const bool in_registers = chunks <= int64_t(blockDim.x) * kChunks;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -171,7 +138,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
   __shared__ int64_t target_sh[2];
   __shared__ float logit_sh[2];
   const int64_t chunks = cols / V;
-  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks;
+  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks<T>;
   int64_t it = 0;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x, ++it) {
     const int slot = int(it & 1);
@@ -198,30 +165,15 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     }
     const float target_logit = ce_z(logit_sh[slot], o.cap);
     float m = kNegInf, s = 0.0f, zs = 0.0f;
-    float a[kRowChunks][V];  // the row's chunks threadIdx.x + c * blockDim.x, when in_registers
-    const auto add = [&](const float (&b)[V]) {
+    float a[kRowChunks<T>][V];
+    for_chunks<T, V>(in_registers, true, lr, chunks, a, [&](int64_t, const float (&b)[V]) {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const float z = ce_z(b[k], o.cap);
         online_add(z, m, s);
         zs += z;
       }
-    };
-    if (in_registers) {
-#pragma unroll
-      for (int c = 0; c < kRowChunks; ++c) {
-        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
-        if (i >= chunks) break;
-        load_chunk(lr, i, a[c]);
-        add(a[c]);
-      }
-    } else {
-      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-        float b[V];
-        load_chunk(lr, i, b);
-        add(b);
-      }
-    }
+    });
     float sum;
     const float row_max = block_max_sum(m, s, &sum);
     const float mean = o.eps != 0.0f ? block_sum(zs) / float(cols) : 0.0f;
@@ -232,7 +184,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     if (!dr) continue;
     const float p_scale = float((1.0 + 2.0 * o.zl * lse) / sum) * grad_scale;
     const float c0 = grad_scale * o.eps / float(cols), one = (1.0f - o.eps) * grad_scale;
-    const auto grad = [&](int64_t i, float (&b)[V]) {
+    for_chunks<T, V>(in_registers, false, lr, chunks, a, [&](int64_t i, float (&b)[V]) {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const float z = ce_z(b[k], o.cap);
@@ -241,21 +193,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
         b[k] = g;
       }
       store_chunk(dr, i, b);
-    };
-    if (in_registers) {
-#pragma unroll
-      for (int c = 0; c < kRowChunks; ++c) {
-        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
-        if (i >= chunks) break;
-        grad(i, a[c]);
-      }
-    } else {
-      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-        float b[V];
-        load_chunk(lr, i, b);
-        grad(i, b);
-      }
-    }
+    });
   }
 }
 

@@ -32,11 +32,11 @@ import tensor_ops as to
 import device_views
 
 # fp32 chunks are 4 elements, fp16 / bf16 8; a block has at most 1024
-# threads and keeps 4 chunks each: 16384 fp32 / 32768 16-bit columns are the
-# last held in registers.
+# threads and keeps kRowChunks<T> chunks each (4 fp32, 2 16-bit): 16384
+# columns are the last held in registers, in every dtype.
 ROW_SHAPES = {"float32": [(3, 16384), (2, 16388), (2, 4097), (4, 1000)],
-              "bfloat16": [(3, 32768), (2, 32776), (2, 8193)],
-              "float16": [(2, 32768), (2, 32776)]}
+              "bfloat16": [(3, 16384), (2, 16392), (2, 8193)],
+              "float16": [(2, 16384), (2, 16392)]}
 ATTN_SHAPES = [  # B, Hq, Hkv, Lq, Lk, D; causal alignments (None: not causal)
     ((1, 2, 1, 130, 140, 128), [None, "bottom_right"]),
     ((2, 2, 1, 70, 70, 80), ["top_left"]),
