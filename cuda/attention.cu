@@ -468,6 +468,22 @@ __device__ __forceinline__ void stage_tile(T* dst, int pitch, const T* src, int 
   }
 }
 
+__device__ __forceinline__ int64_t ceil_div_dev(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Query tile `tile` (q_tiles per (batch, head), tile_rows rows each): its
+// (batch, head) index bh, first row i0, rows, and the element offsets of its
+// first q row (qo) and of its kv head's K / V (kvo).
+struct QueryTile {
+  int64_t bh, i0, qo, kvo;
+  int rows;
+  __device__ QueryTile(const AttnDims& a, int64_t tile, int64_t q_tiles, int tile_rows)
+      : bh(tile / q_tiles), i0(tile % q_tiles * tile_rows) {
+    rows = int(min64(tile_rows, a.Lq - i0));
+    qo = (bh * a.Lq + i0) * a.D;
+    kvo = (bh / a.Hq * a.Hkv + bh % a.Hq / (a.Hq / a.Hkv)) * a.Lk * a.D;
+  }
+};
+
 // The A fragments of rows r0 .. r0 + 15 of a row-major tile (pitch in T), one per 16 columns.
 template <class T, int DP>
 __device__ __forceinline__ void load_a(uint32_t (&fr)[DP / 16][4], const T* tile, int pitch, int r0) {
@@ -562,12 +578,11 @@ __global__ void __launch_bounds__(kMmaThreads)
   T* vt = ks + kMmaKeys * KP;          // DP x VP
   const int D = a.D;
   const int warp = int(threadIdx.x) / 32, t = int(threadIdx.x) % 4, g = int(threadIdx.x) % 32 >> 2;
-  const int64_t q_tiles = (a.Lq + kMmaRows - 1) / kMmaRows, group = a.Hq / a.Hkv;
+  const int64_t q_tiles = ceil_div_dev(a.Lq, kMmaRows);
   for (int64_t tile = blockIdx.x; tile < a.B * a.Hq * q_tiles; tile += gridDim.x) {
-    const int64_t bh = tile / q_tiles, i0 = tile % q_tiles * kMmaRows;
-    const int rows = int(min64(kMmaRows, a.Lq - i0));
-    const int64_t qo = (bh * a.Lq + i0) * D;
-    const int64_t kvo = (bh / a.Hq * a.Hkv + bh % a.Hq / group) * a.Lk * D;
+    const QueryTile qt(a, tile, q_tiles, kMmaRows);
+    const int64_t bh = qt.bh, i0 = qt.i0, qo = qt.qo, kvo = qt.kvo;
+    const int rows = qt.rows;
     __syncthreads();  // the previous tile's readers of ks / vt are done
     stage_tile<T, DP, false>(ks, KP, q + qo, rows, kMmaRows, D);
     __syncthreads();
@@ -670,12 +685,11 @@ __global__ void __launch_bounds__(kMmaThreads)
   T* kt = vs + kMmaBwdCols * KP;       // DP x TP
   const int D = a.D;
   const int warp = int(threadIdx.x) / 32, t = int(threadIdx.x) % 4, g = int(threadIdx.x) % 32 >> 2;
-  const int64_t q_tiles = (a.Lq + kMmaRows - 1) / kMmaRows, group = a.Hq / a.Hkv;
+  const int64_t q_tiles = ceil_div_dev(a.Lq, kMmaRows);
   for (int64_t tile = blockIdx.x; tile < a.B * a.Hq * q_tiles; tile += gridDim.x) {
-    const int64_t bh = tile / q_tiles, i0 = tile % q_tiles * kMmaRows;
-    const int rows = int(min64(kMmaRows, a.Lq - i0));
-    const int64_t qo = (bh * a.Lq + i0) * D;
-    const int64_t kvo = (bh / a.Hq * a.Hkv + bh % a.Hq / group) * a.Lk * D;
+    const QueryTile qt(a, tile, q_tiles, kMmaRows);
+    const int64_t bh = qt.bh, i0 = qt.i0, qo = qt.qo, kvo = qt.kvo;
+    const int rows = qt.rows;
     T* dos = ks + kMmaRows * KP;
     __syncthreads();
     stage_tile<T, DP, false>(ks, KP, q + qo, rows, kMmaRows, D);
