@@ -30,6 +30,7 @@ except ImportError:  # bfloat16 numpy arrays need ml_dtypes
 import tensor_ops as to
 
 import device_views
+from against_cpu import against_cpu
 
 # fp32 chunks are 4 elements, fp16 / bf16 8; a block has at most 1024
 # threads and keeps kRowChunks<T> chunks each (4 fp32, 2 16-bit): 16384
@@ -161,19 +162,9 @@ def main():
         for dtype in ("float32", "bfloat16", "float16"):
             runs += strided(backend, dtype, np.random.default_rng(3), problems)
             for name, fn, scale in cases(np.random.default_rng(2), dtype):
-                with to.use("cpu"):
-                    ref = fn()
-                with to.use(backend):
-                    got, again = fn(), fn()
+                against_cpu(backend, name, fn, lambda g, r, dtype=dtype, scale=scale: close(g, r, dtype, scale),
+                            problems)
                 runs += 1
-                ref, got, again = ((r,) if not isinstance(r, tuple) else r for r in (ref, got, again))
-                for i, (g, r, g2) in enumerate(zip(got, ref, again)):
-                    what = f"{backend} {name} output {i}"
-                    ok, err = close(g, r, dtype, scale)
-                    if not ok:
-                        problems.append(f"{what}: max error {err:.3g}")
-                    if np.asarray(g).tobytes() != np.asarray(g2).tobytes():
-                        problems.append(f"{what}: two runs differ")
     print(f"kernel_shapes: {runs} calls checked against the CPU backend")
     if problems:
         print("\n".join(problems), file=sys.stderr)

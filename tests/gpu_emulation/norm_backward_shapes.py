@@ -23,6 +23,8 @@ except ImportError:  # bfloat16 numpy arrays need ml_dtypes
 
 import tensor_ops as to
 
+from against_cpu import against_cpu
+
 # (rows, cols): fp32 chunks are 4 elements, fp16 / bf16 8; a block has at
 # most 512 threads (kBackwardThreads), so chunks > 512 need K = 2, > 1024
 # K = 4, > 2048 the wide kernel; cols not a whole number of chunks take V = 1.
@@ -61,21 +63,10 @@ def main():
                                  ("rms_norm_backward offset 1",
                                   lambda dy, x, w: to.rms_norm_backward(dy, x, w, offset=1.0)),
                                  ("layer_norm_backward", to.layer_norm_backward)):
-                    with to.use("cpu"):
-                        ref = fn(dy, x, w)
-                    with to.use(backend):
-                        got = fn(dy, x, w)
-                        again = fn(dy, x, w)
+                    against_cpu(backend, f"{name} {dtype} [{rows}, {cols}]",
+                                lambda fn=fn, dy=dy, x=x, w=w: fn(dy, x, w),
+                                lambda g, r, dtype=dtype: close(g, r, dtype), problems)
                     runs += 1
-                    for i, (g, r, g2) in enumerate(zip(got, ref, again)):
-                        if r is None:
-                            continue
-                        ok, err = close(g, r, dtype)
-                        what = f"{backend} {name} {dtype} [{rows}, {cols}] output {i}"
-                        if not ok:
-                            problems.append(f"{what}: max error {err:.3g}")
-                        if np.asarray(g).tobytes() != np.asarray(g2).tobytes():
-                            problems.append(f"{what}: two runs differ")
     print(f"norm_backward_shapes: {runs} calls checked against the CPU backend")
     if problems:
         print("\n".join(problems), file=sys.stderr)
