@@ -22,7 +22,7 @@ from torch import nn
 import tensor_ops as _to
 
 from . import functional as ops
-from .modules import LINEAR_MAX_ROWS, linear_rows
+from .modules import _HALF, LINEAR_MAX_ROWS, _widened_gemm, half_gemm_in_fp32, half_mm, linear_rows
 
 _log = logging.getLogger("tensor_ops")
 
@@ -36,6 +36,9 @@ def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         y = linear_rows(x2, weight.t() if kn else weight, bias, "kn" if kn else "nk")
         if y is not None:
             return y
+    if x2.dtype in _HALF and x2.is_cpu and weight.dtype == x2.dtype and half_gemm_in_fp32(x2.dtype) and (
+            bias is None or bias.dtype == x2.dtype):
+        return _widened_gemm(x2, weight, bias, False, x2.dtype)  # Note [half GEMMs in fp32]
     return torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
 
 
@@ -66,12 +69,13 @@ class _LinearActivation(torch.autograd.Function):
             # Our erf GELU backward kernel measured ~8x slower than torch's on
             # float32[2048, 3072] (2 AVX2 threads, 2026-11): torch's, until it is not.
             dh = torch.ops.aten.gelu_backward(dy, h, approximate="none")
-        dx = dh.mm(weight) if ctx.needs_input_grad[0] else None
+        dx = half_mm(dh, weight) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
             # In the weight's own layout: a Conv1D's [in, out] weight comes as a transposed view, and a
             # gradient in the other layout would be copied whole by autograd's accumulation into .grad.
-            dw = x2.t().mm(dh).t() if weight.t().is_contiguous() and not weight.is_contiguous() else dh.t().mm(x2)
+            dw = (half_mm(x2.t(), dh).t() if weight.t().is_contiguous() and not weight.is_contiguous()
+                  else half_mm(dh.t(), x2))
         db = dh.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None
 

@@ -5,6 +5,7 @@ override only forward)."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -113,14 +114,133 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return None  # the active backend has no linear kernel (or the XLA shim is selected)
 
 
+# Note [half GEMMs in fp32]
+# torch's CPU GEMM runs bfloat16 / float16 natively fast only where the CPU
+# has the instructions for it (AVX512-BF16 or AMX for bf16; AMX-FP16 for
+# fp16). Elsewhere (this AVX2 machine, any CPU before Cooper Lake) it takes a
+# slow path: [1024, 512] @ [512, 1536] bf16 143 ms at 2 threads against 22 ms
+# for the same product widened to fp32 (conversion included), forward +
+# backward 2.7 s against 68 ms (bench/RESULTS.md, "Half-precision GEMMs").
+# There the prepared Linear / Conv1D / Linear + activation compute their
+# GEMMs on fp32 copies of the operands and round the result to the storage
+# dtype once: fp32 accumulation, as torch's own half GEMMs accumulate, so
+# the results agree to the storage precision (summation order aside).
+# TENSOR_OPS_HALF_GEMM=native keeps torch's half GEMMs; =fp32 widens on any CPU.
+_HALF = (torch.bfloat16, torch.float16)
+_HALF_POLICY: dict = {}
+_WIDEN_CHUNK_BYTES = 16 << 20  # fp32 weight copies above this are made a slice of output columns at a time
+
+
+def half_gemm_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether the prepared modules widen this dtype's CPU GEMMs to fp32
+    (Note [half GEMMs in fp32]): decided once per dtype from the CPU's
+    instructions as torch reports them, or TENSOR_OPS_HALF_GEMM."""
+    r = _HALF_POLICY.get(dtype)
+    if r is None:
+        mode = os.environ.get("TENSOR_OPS_HALF_GEMM", "auto").strip().lower()
+        if mode not in ("auto", "fp32", "native"):
+            raise ValueError(f"TENSOR_OPS_HALF_GEMM must be auto, fp32 or native, got {mode!r}")
+        if dtype not in _HALF or mode == "native":
+            r = False
+        elif mode == "fp32":
+            r = True
+        else:
+            cpu = torch.cpu
+            probes = (("_is_avx512_bf16_supported", "_is_amx_tile_supported") if dtype == torch.bfloat16
+                      else ("_is_amx_fp16_supported",))
+            r = not any(getattr(cpu, name, lambda: False)() for name in probes)
+        _HALF_POLICY[dtype] = r
+    return r
+
+
+def _widened_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kn: bool,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """x2 [M, K] @ weight.T (weight [N, K]; kn: @ weight, weight [K, N]) +
+    bias, in fp32, rounded once to dtype: [M, N]. A large weight is widened a
+    slice of output columns at a time (its fp32 copy never whole)."""
+    x32 = x2.float()
+    n = weight.shape[1 if kn else 0]
+    k = x2.shape[1]
+    step = max(1, _WIDEN_CHUNK_BYTES // (4 * max(k, 1)))
+    if n <= step:
+        w32 = weight.float()
+        w32 = w32 if kn else w32.t()
+        y = torch.addmm(bias.float(), x32, w32) if bias is not None else x32.mm(w32)
+        return y.to(dtype)
+    y = x2.new_empty((x2.shape[0], n))
+    for c in range(0, n, step):
+        e = min(n, c + step)
+        w32 = (weight[:, c:e] if kn else weight[c:e].t()).float()
+        part = torch.addmm(bias[c:e].float(), x32, w32) if bias is not None else x32.mm(w32)
+        y[:, c:e].copy_(part)
+    return y
+
+
+def half_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (2-D), in fp32 and rounded once to a's dtype where this CPU's
+    half GEMM is slow (Note [half GEMMs in fp32]); torch's mm otherwise."""
+    if a.dtype in _HALF and a.is_cpu and b.dtype == a.dtype and half_gemm_in_fp32(a.dtype):
+        return a.float().mm(b.float()).to(a.dtype)
+    return a.mm(b)
+
+
+class _WidenedLinear(torch.autograd.Function):
+    """x @ weight.T + bias (kn: x @ weight + bias) through _widened_gemm,
+    with a backward of fp32 GEMMs too; saves the half tensors, not fp32 copies."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, kn):
+        ctx.save_for_backward(x, weight)
+        ctx.kn, ctx.has_bias = kn, bias is not None
+        y = _widened_gemm(x.reshape(-1, x.shape[-1]), weight, bias, kn, x.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        g = dy.reshape(-1, dy.shape[-1]).float()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            w32 = weight.float()
+            dx = (g.mm(w32.t()) if ctx.kn else g.mm(w32)).to(x.dtype).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            x32 = x.reshape(-1, x.shape[-1]).float()
+            dw = (x32.t().mm(g) if ctx.kn else g.t().mm(x32)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g.sum(0).to(dy.dtype)
+        return dx, dw, db, None
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   weight_layout: str = "nk") -> Optional[torch.Tensor]:
+    """x @ weight.T + bias (weight_layout "kn": x @ weight + bias) with its
+    GEMMs in fp32 (Note [half GEMMs in fp32]) when that is the faster way on
+    this CPU: bfloat16 / float16 CPU tensors, one dtype, no autocast; None
+    otherwise (run torch's). Differentiable."""
+    dt = x.dtype
+    if (dt not in _HALF or not half_gemm_in_fp32(dt) or not x.is_cpu or weight.dtype != dt or not weight.is_cpu
+            or (bias is not None and (bias.dtype != dt or not bias.is_cpu)) or _is_autocast_enabled("cpu")
+            or x.dim() == 0):
+        return None
+    kn = weight_layout == "kn"
+    if _is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _WidenedLinear.apply(x, weight, bias, kn)
+    y = _widened_gemm(x.reshape(-1, x.shape[-1]), weight, bias, kn, dt)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class Linear(nn.Linear):
     """torch.nn.Linear whose few-row calls (decode: at most LINEAR_MAX_ROWS
-    rows, no gradient; linear_rows) run tensor_ops' linear kernel, every
-    other call torch's F.linear. The same parameters and state_dict;
-    prepare_model swaps nn.Linear for it (a class swap, on the CPU backend)."""
+    rows, no gradient; linear_rows) run tensor_ops' linear kernel, and whose
+    bfloat16 / float16 GEMMs run in fp32 where torch's half GEMM is slow
+    (Note [half GEMMs in fp32]); every other call torch's F.linear. The same
+    parameters and state_dict; prepare_model swaps nn.Linear for it (a class
+    swap, on the CPU backend)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear_rows(x, self.weight, self.bias)
+        if y is None:
+            y = widened_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) if y is None else y
 
 
@@ -148,6 +268,8 @@ def conv1d_class() -> type:
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 y = linear_rows(x, self.weight, self.bias, "kn")
+                if y is None:
+                    y = widened_linear(x, self.weight, self.bias, "kn")
                 return super().forward(x) if y is None else y
 
         Conv1D.__module__, Conv1D.__qualname__ = __name__, "Conv1D"  # pickles as tensor_ops.torch.modules.Conv1D

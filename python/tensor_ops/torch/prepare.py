@@ -244,6 +244,12 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
         if backend.name == "cpu":  # the only backend with a linear kernel
             _swap_linears(model, counts)
         applied += [f"{swap} x{n}" for swap, n in sorted(counts.items())]
+        widened = [str(dt)[len("torch."):] for dt in modules._HALF if modules.half_gemm_in_fp32(dt)]
+        if widened and backend.device.type == "cpu" and any("Linear" in k or "Conv1D" in k for k in counts):
+            # Note [half GEMMs in fp32] (modules.py)
+            applied.append(f"{' / '.join(widened)} GEMMs of the Linear / Conv1D modules computed in float32 and "
+                           f"rounded once: this CPU has no native {' / '.join(widened)} GEMM "
+                           f"(TENSOR_OPS_HALF_GEMM=native keeps torch's)")
         if not counts:
             warnings.append("O1: no module tensor_ops replaces was found")
     if level >= OptimizationLevel.O3:
