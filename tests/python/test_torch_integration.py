@@ -4,6 +4,7 @@ model prepared at O1 / O2 / O3 against the same model in plain torch."""
 import copy
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -570,7 +571,12 @@ def test_prepare_o3_reduced_precision_and_compile():
     assert result.optimizations_applied[-1] == "torch.compile (backend=aot_eager, fullgraph=True)"
     assert result.metrics["dtype"] == "torch.bfloat16" and result.metrics["warmup_s"] > 0
     no_bf16 = tt.get_backend("cpu").get_device_info().properties.get("has_avx512_bf16") == "0"
-    assert any("without bf16 instructions" in w for w in result.warnings) == no_bf16
+    # the swapped Linears compute bf16 GEMMs in fp32 where the CPU has no bf16 GEMM (Note [half GEMMs in fp32])
+    widened = tt.modules.half_gemm_in_fp32(torch.bfloat16)
+    assert widened == no_bf16 or "TENSOR_OPS_HALF_GEMM" in os.environ
+    assert any("without bf16 instructions" in w for w in result.warnings) == (no_bf16 and not widened)
+    assert any("bfloat16 GEMMs of the Linear / Conv1D modules computed in float32" in s
+               for s in result.optimizations_applied) == widened
     out = prepared(ids)
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 5e-2
     x = torch.randn(2, 8)  # floating inputs are cast on entry

@@ -27,11 +27,16 @@ from torch import nn
 
 from tensor_ops import linear_cross_entropy as _lce
 
+from .modules import _HALF, _widened_gemm, half_gemm_in_fp32, half_mm
+
 Tensor = torch.Tensor
 
 
 def _linear(h_c, weight, bias, out):
-    if bias is None:
+    if h_c.dtype in _HALF and h_c.is_cpu and weight.dtype == h_c.dtype and half_gemm_in_fp32(h_c.dtype) and (
+            bias is None or bias.dtype == h_c.dtype):
+        _widened_gemm(h_c, weight, bias, False, out.dtype, out=out)  # Note [half GEMMs in fp32]
+    elif bias is None:
         torch.mm(h_c, weight.t(), out=out)
     else:
         torch.addmm(bias, h_c, weight.t(), out=out)
@@ -67,7 +72,7 @@ TORCH = types.SimpleNamespace(
     empty=lambda shape, dtype, like: torch.empty(shape, dtype=dtype, device=like.device),
     zeros=lambda shape, dtype, like: torch.zeros(shape, dtype=dtype, device=like.device),
     linear=_linear,
-    mm=lambda a, b, out: torch.mm(a, b, out=out),
+    mm=lambda a, b, out: half_mm(a, b, out=out),
     accumulator=_accumulator,
 )
 

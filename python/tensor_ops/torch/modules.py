@@ -154,20 +154,24 @@ def half_gemm_in_fp32(dtype: torch.dtype) -> bool:
 
 
 def _widened_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kn: bool,
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x2 [M, K] @ weight.T (weight [N, K]; kn: @ weight, weight [K, N]) +
-    bias, in fp32, rounded once to dtype: [M, N]. A large weight is widened a
-    slice of output columns at a time (its fp32 copy never whole)."""
+    bias, in fp32, rounded once to dtype (or out's): [M, N], into out when
+    given. A large weight (or with out, a quarter of out's columns) is
+    widened a slice of output columns at a time: no fp32 copy of the whole
+    weight, nor of the whole product when there is an out."""
     x32 = x2.float()
     n = weight.shape[1 if kn else 0]
     k = x2.shape[1]
     step = max(1, _WIDEN_CHUNK_BYTES // (4 * max(k, 1)))
+    if out is not None:  # fp32 products of at most a quarter of out's columns: half of out's bytes when it is 16-bit
+        step = min(step, max(1, -(-n // 4)))
     if n <= step:
         w32 = weight.float()
         w32 = w32 if kn else w32.t()
         y = torch.addmm(bias.float(), x32, w32) if bias is not None else x32.mm(w32)
-        return y.to(dtype)
-    y = x2.new_empty((x2.shape[0], n))
+        return y.to(dtype) if out is None else out.copy_(y)
+    y = x2.new_empty((x2.shape[0], n), dtype=dtype) if out is None else out
     for c in range(0, n, step):
         e = min(n, c + step)
         w32 = (weight[:, c:e] if kn else weight[c:e].t()).float()
@@ -176,12 +180,27 @@ def _widened_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return y
 
 
-def half_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b (2-D), in fp32 and rounded once to a's dtype where this CPU's
-    half GEMM is slow (Note [half GEMMs in fp32]); torch's mm otherwise."""
-    if a.dtype in _HALF and a.is_cpu and b.dtype == a.dtype and half_gemm_in_fp32(a.dtype):
-        return a.float().mm(b.float()).to(a.dtype)
-    return a.mm(b)
+def half_mm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a @ b (2-D; into out when given), in fp32 and rounded once to the
+    output's dtype where this CPU's half GEMM is slow (Note [half GEMMs in
+    fp32]; a large b, or with out a quarter of the inner dim, is widened a
+    slice at a time and summed in fp32: no fp32 copy of a whole operand);
+    torch's mm otherwise."""
+    if not (a.dtype in _HALF and a.is_cpu and b.dtype == a.dtype and half_gemm_in_fp32(a.dtype)):
+        return a.mm(b) if out is None else torch.mm(a, b, out=out)
+    k = b.shape[0]
+    step = max(1, _WIDEN_CHUNK_BYTES // (4 * max(b.shape[1], 1)))
+    if out is not None:  # fp32 copies of at most a quarter of a's columns: half of a's bytes
+        step = min(step, max(1, -(-k // 4)))
+    if k <= step:
+        y = a.float().mm(b.float())
+    else:
+        y = a.new_zeros((a.shape[0], b.shape[1]), dtype=torch.float32)
+        for c in range(0, k, step):
+            y.addmm_(a[:, c:c + step].float(), b[c:c + step].float())
+    if out is None:
+        return y.to(a.dtype)
+    return out.copy_(y)
 
 
 class _WidenedLinear(torch.autograd.Function):

@@ -166,6 +166,11 @@ def _swap_linears(model: nn.Module, counts: collections.Counter) -> None:
             counts["Conv1D -> tensor_ops.torch.Conv1D"] += 1
 
 
+def _linears_swapped(counts: collections.Counter) -> bool:
+    """Whether O1 swapped Linear / Conv1D modules (or made Linear + activation epilogues)."""
+    return any("Linear" in k or "Conv1D" in k for k in counts)
+
+
 def _is_transformers_model(model: nn.Module) -> bool:
     """Whether model holds transformers modules (transformers is then imported already)."""
     return "transformers" in sys.modules and any(
@@ -244,12 +249,6 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
         if backend.name == "cpu":  # the only backend with a linear kernel
             _swap_linears(model, counts)
         applied += [f"{swap} x{n}" for swap, n in sorted(counts.items())]
-        widened = [str(dt)[len("torch."):] for dt in modules._HALF if modules.half_gemm_in_fp32(dt)]
-        if widened and backend.device.type == "cpu" and any("Linear" in k or "Conv1D" in k for k in counts):
-            # Note [half GEMMs in fp32] (modules.py)
-            applied.append(f"{' / '.join(widened)} GEMMs of the Linear / Conv1D modules computed in float32 and "
-                           f"rounded once: this CPU has no native {' / '.join(widened)} GEMM "
-                           f"(TENSOR_OPS_HALF_GEMM=native keeps torch's)")
         if not counts:
             warnings.append("O1: no module tensor_ops replaces was found")
     if level >= OptimizationLevel.O3:
@@ -259,9 +258,18 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
         model.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True)
         applied.append(f"reduced precision: {n} floating parameter/buffer tensors in {dtype}, "
                        f"floating inputs cast on entry")
-        if backend.name == "cpu" and backend.get_device_info().properties.get("has_avx512_bf16") == "0":
+        if (backend.name == "cpu" and backend.get_device_info().properties.get("has_avx512_bf16") == "0"
+                and not (_linears_swapped(counts) and modules.half_gemm_in_fp32(dtype))):
             warnings.append("O3 on a CPU without bf16 instructions (has_avx512_bf16=0): torch's bf16 matmuls "
                             "are emulated here and can run many times slower than float32")
+    if level >= OptimizationLevel.O1 and backend.device.type == "cpu" and _linears_swapped(counts):
+        # Note [half GEMMs in fp32] (modules.py): said where the model holds such a dtype.
+        halves = sorted({str(t.dtype)[len("torch."):] for t in _tensors(model)
+                         if t.dtype in modules._HALF and modules.half_gemm_in_fp32(t.dtype)})
+        if halves:
+            applied.append(f"{' / '.join(halves)} GEMMs of the Linear / Conv1D modules computed in float32 and "
+                           f"rounded once: this CPU has no native {' / '.join(halves)} GEMM "
+                           f"(TENSOR_OPS_HALF_GEMM=native keeps torch's)")
     if level >= OptimizationLevel.O2:
         options = dict(compile_options or {})
         model.compile(**options)
