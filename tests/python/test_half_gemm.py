@@ -165,3 +165,24 @@ def test_compiles_without_graph_break(policy):
     assert torch.equal(y, eager)
     y.sum().backward()
     assert x.grad is not None and x.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shape", [(0, 16, 8), (20, 0, 4), (20, 16, 0), (16, 8)])  # rows, K, N; a 1-D input
+def test_edges_match_torch(policy, shape):
+    """Empty rows, an empty inner dim (the output is the bias), no output
+    columns, and a 1-D input: as torch's F.linear on the same values,
+    gradients included."""
+    policy("fp32")
+    g = torch.Generator().manual_seed(7)
+    k, n = shape[-2], shape[-1]
+    x = make(shape[:-1], torch.bfloat16, g).requires_grad_()
+    w = make((n, k), torch.bfloat16, g).requires_grad_()
+    b = make((n,), torch.bfloat16, g).requires_grad_()
+    y = modules.widened_linear(x, w, b)
+    x32, w32, b32 = (t.detach().float().requires_grad_() for t in (x, w, b))
+    ref = torch.nn.functional.linear(x32, w32, b32)
+    assert y.shape == ref.shape and torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2)
+    y.float().sum().backward()
+    ref.sum().backward()
+    for got, want in ((x.grad, x32.grad), (w.grad, w32.grad), (b.grad, b32.grad)):
+        assert got.shape == want.shape and torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2)

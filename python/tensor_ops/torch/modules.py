@@ -203,6 +203,11 @@ def half_mm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None
     return out.copy_(y)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, last dim] (reshape(-1, 0) is ambiguous for an empty last dim)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 class _WidenedLinear(torch.autograd.Function):
     """x @ weight.T + bias (kn: x @ weight + bias) through _widened_gemm,
     with a backward of fp32 GEMMs too; saves the half tensors, not fp32 copies."""
@@ -211,19 +216,19 @@ class _WidenedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, kn):
         ctx.save_for_backward(x, weight)
         ctx.kn, ctx.has_bias = kn, bias is not None
-        y = _widened_gemm(x.reshape(-1, x.shape[-1]), weight, bias, kn, x.dtype)
+        y = _widened_gemm(_rows(x), weight, bias, kn, x.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        g = dy.reshape(-1, dy.shape[-1]).float()
+        g = _rows(dy).float()
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             w32 = weight.float()
             dx = (g.mm(w32.t()) if ctx.kn else g.mm(w32)).to(x.dtype).view(x.shape)
         if ctx.needs_input_grad[1]:
-            x32 = x.reshape(-1, x.shape[-1]).float()
+            x32 = _rows(x).float()
             dw = (x32.t().mm(g) if ctx.kn else g.t().mm(x32)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0).to(dy.dtype)
@@ -244,7 +249,7 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     kn = weight_layout == "kn"
     if _is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _WidenedLinear.apply(x, weight, bias, kn)
-    y = _widened_gemm(x.reshape(-1, x.shape[-1]), weight, bias, kn, dt)
+    y = _widened_gemm(_rows(x), weight, bias, kn, dt)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
