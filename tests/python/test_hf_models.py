@@ -191,18 +191,8 @@ def test_bf16_training_tracks_fp32(family):
     finite gradients everywhere."""
     x = ids(seed=4)
 
-    def losses(model, steps=5):
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        out = []
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = model(x, labels=x).loss
-            loss.backward()
-            assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-            opt.step()
-            out.append(loss.item())
-        return out
+    def losses(model):
+        return adamw_losses(model, x, steps=5, finite_grads=True)[0]
 
     ref = losses(build(family))
     hf16 = losses(build(family, dtype=torch.bfloat16))
@@ -215,7 +205,9 @@ def test_bf16_training_tracks_fp32(family):
 KEY_BIASES = ("key.bias", "k_proj.bias", "c_attn.bias", "query_key_value.bias")
 
 
-def adamw_losses(model, x, steps=20):
+def adamw_losses(model, x, steps=20, finite_grads=False):
+    """The losses of `steps` AdamW steps on x, and the model; finite_grads:
+    every gradient is also asserted finite."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
@@ -223,6 +215,8 @@ def adamw_losses(model, x, steps=20):
         opt.zero_grad()
         loss = model(x, labels=x).loss
         loss.backward()
+        if finite_grads:
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
         opt.step()
         losses.append(loss.item())
     return losses, model

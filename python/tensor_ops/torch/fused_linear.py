@@ -22,7 +22,7 @@ from torch import nn
 import tensor_ops as _to
 
 from . import functional as ops
-from .modules import _HALF, LINEAR_MAX_ROWS, _widened_gemm, half_gemm_in_fp32, half_mm, linear_rows
+from .modules import LINEAR_MAX_ROWS, _widened_gemm, half_mm, linear_rows, widens
 
 _log = logging.getLogger("tensor_ops")
 
@@ -36,8 +36,7 @@ def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         y = linear_rows(x2, weight.t() if kn else weight, bias, "kn" if kn else "nk")
         if y is not None:
             return y
-    if x2.dtype in _HALF and x2.is_cpu and weight.dtype == x2.dtype and half_gemm_in_fp32(x2.dtype) and (
-            bias is None or bias.dtype == x2.dtype):
+    if widens(x2, weight, bias):
         return _widened_gemm(x2, weight, bias, False, x2.dtype)  # Note [half GEMMs in fp32]
     return torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
 

@@ -27,14 +27,13 @@ from torch import nn
 
 from tensor_ops import linear_cross_entropy as _lce
 
-from .modules import _HALF, _widened_gemm, half_gemm_in_fp32, half_mm
+from .modules import _widened_gemm, half_mm, widens
 
 Tensor = torch.Tensor
 
 
 def _linear(h_c, weight, bias, out):
-    if h_c.dtype in _HALF and h_c.is_cpu and weight.dtype == h_c.dtype and half_gemm_in_fp32(h_c.dtype) and (
-            bias is None or bias.dtype == h_c.dtype):
+    if widens(h_c, weight, bias):
         _widened_gemm(h_c, weight, bias, False, out.dtype, out=out)  # Note [half GEMMs in fp32]
     elif bias is None:
         torch.mm(h_c, weight.t(), out=out)

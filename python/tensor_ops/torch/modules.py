@@ -153,6 +153,15 @@ def half_gemm_in_fp32(dtype: torch.dtype) -> bool:
     return r
 
 
+def widens(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a GEMM of these tensors (None skipped: an absent bias) takes
+    the fp32 route (Note [half GEMMs in fp32]): all of the first one's half
+    dtype, all on the CPU, and the policy widens that dtype."""
+    dt = tensors[0].dtype
+    return (dt in _HALF and all(t is None or (t.dtype == dt and t.is_cpu) for t in tensors)
+            and half_gemm_in_fp32(dt))
+
+
 def _widened_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kn: bool,
                   dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x2 [M, K] @ weight.T (weight [N, K]; kn: @ weight, weight [K, N]) +
@@ -186,7 +195,7 @@ def half_mm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None
     fp32]; a large b, or with out a quarter of the inner dim, is widened a
     slice at a time and summed in fp32: no fp32 copy of a whole operand);
     torch's mm otherwise."""
-    if not (a.dtype in _HALF and a.is_cpu and b.dtype == a.dtype and half_gemm_in_fp32(a.dtype)):
+    if not widens(a, b):
         return a.mm(b) if out is None else torch.mm(a, b, out=out)
     k = b.shape[0]
     step = max(1, _WIDEN_CHUNK_BYTES // (4 * max(b.shape[1], 1)))
@@ -241,11 +250,9 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     GEMMs in fp32 (Note [half GEMMs in fp32]) when that is the faster way on
     this CPU: bfloat16 / float16 CPU tensors, one dtype, no autocast; None
     otherwise (run torch's). Differentiable."""
-    dt = x.dtype
-    if (dt not in _HALF or not half_gemm_in_fp32(dt) or not x.is_cpu or weight.dtype != dt or not weight.is_cpu
-            or (bias is not None and (bias.dtype != dt or not bias.is_cpu)) or _is_autocast_enabled("cpu")
-            or x.dim() == 0):
+    if not widens(x, weight, bias) or _is_autocast_enabled("cpu") or x.dim() == 0:
         return None
+    dt = x.dtype
     kn = weight_layout == "kn"
     if _is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _WidenedLinear.apply(x, weight, bias, kn)
