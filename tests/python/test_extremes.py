@@ -76,17 +76,45 @@ def _inputs(n_in, dtype):
     return [np.repeat(g.ravel(), 16) for g in grids]
 
 
-def torch_reference(name, arrays, dtype):
-    """torch's answer. A single activation (or its backward) runs in the
-    dtype itself; a gated unit's composite rounds its intermediate products
-    to 16 bits where tensor_ops computes in fp32 and rounds once, so it runs
-    in float32 on the rounded inputs and is rounded at the end."""
+def _torch_once(name, arrays, dtype):
     n_in, _, ref = OPS[name]
     gated = name.startswith(("swiglu", "geglu"))
     tdt = torch.float32 if gated else TORCH_DT[dtype]
     ts = [torch.from_numpy(a.astype(np.float32)).to(TORCH_DT[dtype]).to(tdt) for a in arrays]
     outs = ref(*ts)
     return [o.detach().to(TORCH_DT[dtype]).to(torch.float64).numpy() for o in outs]
+
+
+def torch_reference(name, arrays, dtype):
+    """torch's answer, from its scalar code: each distinct combination of
+    inputs on a one-element tensor. torch's vector code depends on the CPU:
+    its AVX-512 erf GELU gives NaN at +inf in float32 / float16 / bfloat16
+    (torch 2.13; its scalar code and its float64 give +inf, as its AVX2
+    code does), so a reference from whole vectors would change with the
+    machine. A single activation (or its backward) runs in the dtype
+    itself; a gated unit's composite rounds its intermediate products to 16
+    bits where tensor_ops computes in fp32 and rounds once, so it runs in
+    float32 on the rounded inputs and is rounded at the end."""
+    n = len(arrays[0])
+    cols = None
+    for i in range(n):
+        if i and all(a[i] == a[i - 1] or (np.isnan(a[i]) and np.isnan(a[i - 1])) for a in arrays):
+            for c in cols:
+                c.append(c[-1])
+            continue
+        outs = _torch_once(name, [a[i : i + 1] for a in arrays], dtype)
+        cols = [[] for _ in outs] if cols is None else cols
+        for c, o in zip(cols, outs):
+            c.append(o[0])
+    return [np.array(c, dtype=np.float64) for c in cols]
+
+
+def test_reference_is_torch_scalar_code():
+    """The reference above is torch's scalar code even where its vector
+    code differs (the case that made it so): gelu(+inf) is +inf."""
+    x = np.array([np.inf, 1.5, -np.inf], dtype=np.float64)
+    (y,) = torch_reference("gelu", [x], "float32")
+    assert y[0] == np.inf and abs(y[1] - 1.5 * 0.5 * (1 + math.erf(1.5 / math.sqrt(2)))) < 1e-6
 
 
 def check(name, dtype, got, ref, where):
