@@ -528,10 +528,13 @@ int num_threads() { return ThreadPool::instance().num_threads(); }
 
 void set_num_threads(int threads) { ThreadPool::instance().set_num_threads(threads); }
 
-void set_openmp(uintptr_t gomp_parallel) {
-  ThreadPool::instance().set_openmp(reinterpret_cast<ThreadPool::GompParallel>(gomp_parallel));
+void set_openmp(uintptr_t gomp_parallel, uintptr_t omp_get_max_threads) {
+  ThreadPool::instance().set_openmp(reinterpret_cast<ThreadPool::GompParallel>(gomp_parallel),
+                                    reinterpret_cast<ThreadPool::OmpMaxThreads>(omp_get_max_threads));
 }
 
 bool uses_openmp() { return ThreadPool::instance().uses_openmp(); }
+
+int region_threads() { return ThreadPool::instance().region_threads(); }
 
 }  // namespace tensor_ops::cpu

@@ -27,7 +27,11 @@ int num_threads();
 void set_num_threads(int threads);
 // Regions on an OpenMP runtime's threads (address of its GOMP_parallel; 0:
 // our own workers). Note [torch's OpenMP threads] in thread_pool.cpp.
-void set_openmp(uintptr_t gomp_parallel);
+// omp_get_max_threads: the same runtime's (0: none); a region's team is then
+// no larger than the calling thread's OpenMP thread count.
+void set_openmp(uintptr_t gomp_parallel, uintptr_t omp_get_max_threads = 0);
 bool uses_openmp();
+// The threads a region started now from the calling thread would run on.
+int region_threads();
 
 }  // namespace tensor_ops::cpu

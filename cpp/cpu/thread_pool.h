@@ -38,8 +38,14 @@ class ThreadPool {
   // entry point set (the one torch loaded), regions run on that runtime's
   // threads instead of ours; nullptr: our workers. Off in a forked child.
   using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
-  void set_openmp(GompParallel fn);
+  // omp_max_threads: that runtime's omp_get_max_threads (or nullptr). With
+  // it a region's team is no larger than the caller's OpenMP thread count:
+  // torch.set_num_threads(1) makes our regions inline too (Note [team size]).
+  using OmpMaxThreads = int (*)();
+  void set_openmp(GompParallel fn, OmpMaxThreads omp_max_threads = nullptr);
   bool uses_openmp() const { return gomp_.load() != nullptr; }
+  // The threads a region started now from this thread would run on.
+  int region_threads() const;
 
  private:
   explicit ThreadPool(int threads);
@@ -74,6 +80,8 @@ class ThreadPool {
   bool stop_ = false;
   bool workers_started_ = false;  // false in a child forked after they started (Note [fork])
   std::atomic<GompParallel> gomp_{nullptr};
+  std::atomic<OmpMaxThreads> omp_max_threads_{nullptr};
+  int team_size(int threads) const;
 };
 
 // TENSOR_OPS_NUM_THREADS when it is a whole number from 1 to 1024 (a larger

@@ -62,10 +62,14 @@ void init_registry(nb::module_& m) {
   m.def("cpu_set_isa", &cpu::set_isa);
   m.def("cpu_num_threads", &cpu::num_threads);
   m.def("cpu_set_num_threads", &cpu::set_num_threads, nb::call_guard<nb::gil_scoped_release>());
-  m.def("cpu_set_openmp", &cpu::set_openmp, nb::call_guard<nb::gil_scoped_release>(),
+  m.def("cpu_set_openmp", &cpu::set_openmp, nb::arg("gomp_parallel"), nb::arg("omp_get_max_threads") = 0,
+        nb::call_guard<nb::gil_scoped_release>(),
         "Run the CPU pool's regions on an OpenMP runtime's threads: the address of its GOMP_parallel (0: our own "
-        "workers). tensor_ops.torch points it at torch's.");
+        "workers) and of its omp_get_max_threads (0: none; else a region's team is no larger than the calling "
+        "thread's OpenMP thread count). tensor_ops.torch points them at torch's.");
   m.def("cpu_uses_openmp", &cpu::uses_openmp);
+  m.def("cpu_region_threads", &cpu::region_threads,
+        "The threads a CPU region started now from this thread would run on.");
 }
 
 }  // namespace tensor_ops::python

@@ -404,14 +404,21 @@ def use_torch_openmp() -> bool:
         return False
     if _C.cpu_uses_openmp():
         return True
-    addr = _torch_gomp_parallel()
+    addr, max_threads = _torch_gomp()
     if addr:
-        _C.cpu_set_openmp(addr)
+        _C.cpu_set_openmp(addr, max_threads)
     return bool(addr)
 
 
 def _torch_gomp_parallel() -> int:
     """The address of GOMP_parallel in the libgomp torch loaded (torch/lib/), or 0."""
+    return _torch_gomp()[0]
+
+
+def _torch_gomp() -> tuple[int, int]:
+    """The addresses of GOMP_parallel and omp_get_max_threads in the libgomp
+    torch loaded (torch/lib/), or zeros. The second keeps our regions' teams
+    within torch.set_num_threads (Note [team size], thread_pool.cpp)."""
     import ctypes
 
     torch_dir = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__))
@@ -419,11 +426,16 @@ def _torch_gomp_parallel() -> int:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libgomp" in line}
     except OSError:
-        return 0
+        return 0, 0
     for path in sorted(p for p in paths if p.startswith(torch_dir + os.sep)):
         try:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            return int(ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0)
+            gomp = int(ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0)
         except (OSError, AttributeError):
             continue
-    return 0
+        try:
+            max_threads = int(ctypes.cast(lib.omp_get_max_threads, ctypes.c_void_p).value or 0)
+        except AttributeError:
+            max_threads = 0
+        return gomp, max_threads
+    return 0, 0

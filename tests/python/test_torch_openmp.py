@@ -52,6 +52,35 @@ def test_torch_threads_are_used_and_results_do_not_change(two_threads):
     assert _C.cpu_uses_openmp()
 
 
+def test_team_is_no_larger_than_torchs_thread_count(two_threads):
+    """Note [team size]: on torch's threads a region's team is the smaller
+    of our count and torch's (torch.set_num_threads); results do not change."""
+    tensor_ops.silu(torch.ones(3))
+    if not _C.cpu_uses_openmp():
+        pytest.skip("torch's OpenMP not in use")
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert _C.cpu_region_threads() == 2
+        two = _outputs()
+        torch.set_num_threads(1)
+        assert _C.cpu_region_threads() == 1
+        one = _outputs()
+        torch.set_num_threads(4)
+        assert _C.cpu_region_threads() == 2  # ours is the smaller now
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    _C.cpu_set_openmp(0)
+    try:
+        torch.set_num_threads(1)
+        assert _C.cpu_region_threads() == 2  # our own workers: torch's count does not apply
+    finally:
+        torch.set_num_threads(old)
+        assert _arrays.use_torch_openmp()
+
+
 def test_off_in_a_forked_child(two_threads):
     tensor_ops.silu(torch.ones(3))
     if not _C.cpu_uses_openmp():
