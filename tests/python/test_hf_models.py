@@ -3,6 +3,7 @@ tiny random-weight configs through prepare_model(model, "O1") and the
 Liger-style apply_tensor_ops_kernel_to_<family> API. Coverage (no HF norm /
 activation / MLP / attention class we have a kernel for is left), logits,
 training, greedy generation, torch.compile, padding, the fused loss."""
+import collections
 import copy
 import os
 
@@ -181,6 +182,41 @@ def test_bf16_logits_within_hf_bf16_error(family):
         ours16 = prepared(base16)[0](x).logits
     hf_err = rel(hf16, ref32)
     assert rel(ours16, ref32) <= max(2 * hf_err, 1e-2), (rel(ours16, ref32), hf_err)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "native"])
+def test_bf16_prefill_attention_follows_the_half_gemm_policy(mode, monkeypatch):
+    """Note [native half attention]: where torch's bf16 GEMMs are native
+    (forced here with TENSOR_OPS_HALF_GEMM, so it runs on any CPU), a bf16
+    call with more than one query runs HF's own SDPA and prepare_model says
+    so; one-query decode and the fp32 policy stay on our kernel. Logits
+    within HF's own bf16 error either way."""
+    from tensor_ops.torch import modules
+
+    monkeypatch.setattr(modules, "_HALF_POLICY", {})
+    monkeypatch.setenv("TENSOR_OPS_HALF_GEMM", mode)
+    monkeypatch.setattr(hf, "SDPA_HALF_CALLS", collections.Counter())
+    ours = []
+    real = hf.ops.attention
+    monkeypatch.setattr(hf.ops, "attention", lambda *a, **k: ours.append(a[0].shape[2]) or real(*a, **k))
+    x = ids()
+    with torch.no_grad():
+        ref32 = build("llama")(x).logits
+        base16 = build("llama", dtype=torch.bfloat16)
+        hf16 = base16(x).logits
+        model, result = prepared(base16)
+        ours16 = model(x).logits
+        layers = len(attention_modules(model))
+        reported = any("attention with more than one query on torch's SDPA" in a
+                       for a in result.optimizations_applied)
+        assert rel(ours16, ref32) <= max(2 * rel(hf16, ref32), 1e-2)
+        assert reported == (mode == "native")
+        assert hf.SDPA_HALF_CALLS["bfloat16"] == (layers if mode == "native" else 0)
+        assert ours == ([] if mode == "native" else [x.shape[1]] * layers)
+        ours.clear()
+        model.generate(x[:1], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    # prefill: SDPA (native) or ours; the two decode steps: ours
+    assert ours == ([1] * 2 * layers if mode == "native" else [x.shape[1]] * layers + [1] * 2 * layers)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

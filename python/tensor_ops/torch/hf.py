@@ -40,7 +40,9 @@ What runs where:
   matmul in float32, our softmax. What we cannot run (output_attentions,
   paged caches, T5 position bias, sinks, head_dim mismatch) goes per call to
   the family's own eager attention, counted in ATTENTION_FALLBACKS and logged
-  once per reason.
+  once per reason. Half-precision calls with more than one query on a CPU
+  whose torch has native half GEMMs go to HF's own SDPA (Note [native half
+  attention]).
 - loss: *ForCausalLM.forward wrapped: with labels, the loss through our
   cross_entropy (logits kept) or, with fused_linear_cross_entropy in training
   mode, through fused_linear_cross_entropy from the last hidden states, so
@@ -360,6 +362,24 @@ def _softcapped_attention(q, k, v, mask, dropout, causal, scale, softcap):
     return torch.matmul(probs, v.to(acc)).to(q.dtype)
 
 
+# Note [native half attention]: on a CPU where torch's bf16 (or fp16) GEMMs
+# run natively (AMX, AVX512-BF16: modules.half_gemm_in_fp32 is False), torch's
+# SDPA computes prefill attention with them, and our kernel, which widens
+# half inputs to fp32 FMAs, was 0.20-0.65x of it forward (bf16, Xeon with AMX,
+# 1 thread: [1, 32/8, 1024, 128] causal 77 vs 24 ms). So there a half call
+# with more than one query runs HF's own sdpa_attention_forward (what the
+# original model runs: the same numbers); one-query decode stays on our
+# kernel (1.6x SDPA there, split along the cache). The policy is the half
+# GEMMs' (TENSOR_OPS_HALF_GEMM=fp32 keeps our kernel); prepare_model says so.
+SDPA_HALF_CALLS = collections.Counter()  # dtype name -> calls routed to torch's SDPA
+
+
+def native_half_attention(dtype: torch.dtype) -> bool:
+    """Whether a half-precision prefill attention of this dtype on the CPU
+    runs torch's SDPA (Note [native half attention])."""
+    return dtype in modules._HALF and not modules.half_gemm_in_fp32(dtype)
+
+
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                       is_causal: Optional[bool] = None, softcap: Optional[float] = None, **kwargs):
@@ -371,8 +391,14 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if reason is not None:
         return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          softcap=softcap, **kwargs)
-    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     q_len, kv_len = query.shape[2], key.shape[2]
+    if q_len > 1 and softcap is None and query.is_cpu and native_half_attention(query.dtype):
+        SDPA_HALF_CALLS[str(query.dtype)[len("torch."):]] += 1
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and kv_len > q_len:  # as sdpa_attention_forward: an empty static cache's prefill
@@ -414,6 +440,12 @@ def _set_attention(model: nn.Module, warnings: List[str], counts) -> None:
         return
     n = sum(1 for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config"))
     counts[f"attention {old} -> {ATTENTION} (AttentionInterface) in {n} attention modules"] += 1
+    natives = sorted({str(t.dtype)[len("torch."):] for t in model.parameters()
+                      if t.is_cpu and native_half_attention(t.dtype)})
+    if natives:
+        counts[f"{' / '.join(natives)} attention with more than one query on torch's SDPA: this CPU's native "
+               f"{' / '.join(natives)} GEMMs beat our fp32-accumulating kernel there; one-query decode on ours "
+               f"(TENSOR_OPS_HALF_GEMM=fp32 keeps ours throughout)"] += 1
     if getattr(config, "attn_logit_softcapping", None) is not None:
         counts["attention logit softcapping on the score-matrix path (torch matmul + our softmax)"] += 1
 
