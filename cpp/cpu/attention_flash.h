@@ -253,15 +253,31 @@ constexpr int64_t kAttnDecodeRows = 8;
 
 // out[i] = the sum of v[i]'s lanes, i < 8. On AVX the eight reductions
 // share one transpose of pairwise adds (9 instructions for the eight, where
-// hsum's in-order lane chain is ~16 each); elsewhere hsum per vector.
-TENSOR_OPS_VEC_INLINE void hsum8(const vf* v, float* out) {
-#if defined(__AVX__) && !defined(__AVX512F__)
-  const __m256 t0 = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]), t1 = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
-  const __m256 t2 = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]), t3 = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
+// hsum's in-order lane chain is ~16 each); on AVX-512 each register's two
+// halves are added first (2 instructions each), then the same transpose:
+// ~25 instructions for the eight where hsum's 16-lane chains took ~250,
+// which made the decode attention slower than torch's SDPA at head_dim 64
+// (the chain cost more than the dot products). Each register's lanes are
+// still summed in one fixed order, whichever of the eight it is.
+#if defined(__AVX__)
+TENSOR_OPS_VEC_INLINE void hsum8_avx(const __m256* v, float* out) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
   // u0 = [v0 v1 v2 v3 | v0 v1 v2 v3] partial sums of the low | high 128 bits, u1 likewise for v4..v7
   const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
   _mm256_storeu_ps(out, r);
+}
+#endif
+TENSOR_OPS_VEC_INLINE void hsum8(const vf* v, float* out) {
+#if defined(__AVX512F__)
+  __m256 h[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256((__m512)v[i]), _mm512_extractf32x8_ps((__m512)v[i], 1));
+  hsum8_avx(h, out);
+#elif defined(__AVX__)
+  hsum8_avx(reinterpret_cast<const __m256*>(v), out);
 #else
   for (int i = 0; i < 8; ++i) out[i] = hsum(v[i]);
 #endif
