@@ -252,10 +252,26 @@ def _transformers():
     return transformers
 
 
+@pytest.fixture
+def fp32_kn_ours():
+    """modules.linear_rows takes a float32 [K, N] weight on two threads of the
+    AVX2 kernels only (measured faster there): tests of that wiring run so."""
+    if "avx2" not in _C.cpu_supported_isas():
+        pytest.skip("fp32 [K, N] weights take our kernel on the AVX2 level only")
+    old = _C.cpu_num_threads()
+    _C.cpu_set_num_threads(2)
+    _C.cpu_set_isa("avx2")
+    yield
+    _C.cpu_set_num_threads(old)
+    _C.cpu_set_isa("auto")
+
+
 @needs_torch
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_conv1d_runs_our_kernel_for_a_few_rows_only(dtype, monkeypatch):
+def test_conv1d_runs_our_kernel_for_a_few_rows_only(dtype, monkeypatch, request):
     _transformers()
+    if dtype == "float32":
+        request.getfixturevalue("fp32_kn_ours")
     from transformers.pytorch_utils import Conv1D as HFConv1D
 
     import tensor_ops.torch as tt
@@ -316,12 +332,13 @@ def _gpt2(transformers):
 
 
 @needs_torch
-def test_gpt2_prepared_decodes_on_our_kernel(monkeypatch):
+def test_gpt2_prepared_decodes_on_our_kernel(monkeypatch, fp32_kn_ours):
     """GPT-2 at O1 on the CPU backend: c_attn, attn.c_proj and mlp.c_proj
     become tensor_ops.torch.Conv1D (mlp.c_fc stays the Linear + GELU
     epilogue, whose few-row GEMM is our kernel too), reported as swapped;
     every decode step's four projections per layer on our kernel (at two
-    threads: float32 [K, N] takes torch's addmm on one); prefill and each
+    threads of the AVX2 kernels: float32 [K, N] takes torch's addmm on one,
+    and on AVX-512); prefill and each
     decode step's logits within 1e-5 of the original's; greedy generation
     gives the same tokens."""
     transformers = _transformers()
@@ -345,12 +362,7 @@ def test_gpt2_prepared_decodes_on_our_kernel(monkeypatch):
                                                                            and kn_calls.append(x.shape))
                         or real(x, w, b, **kw))
     prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))
-    old_threads = _C.cpu_num_threads()
-    _C.cpu_set_num_threads(2)
-    try:
-        ref_tokens, tokens = _decode_steps_on_our_kernel(original, model, prompt, n_layer, kn_calls)
-    finally:
-        _C.cpu_set_num_threads(old_threads)
+    ref_tokens, tokens = _decode_steps_on_our_kernel(original, model, prompt, n_layer, kn_calls)
     assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
 
 
@@ -395,22 +407,31 @@ def test_conv1d_without_transformers_says_so(monkeypatch):
 @needs_torch
 def test_fp32_kn_rows_take_torch_on_one_thread():
     """modules.linear_rows leaves a float32 [K, N] weight to torch's addmm on
-    one thread (measured faster there), and takes it on two; bf16 and the
-    [N, K] layout are ours either way."""
+    one thread (measured faster there) and on the AVX-512 kernels (measured
+    faster on a Xeon), and takes it on two threads of the AVX2 kernels; bf16
+    and the [N, K] layout are ours either way."""
     from tensor_ops.torch.modules import linear_rows
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(1, 8, generator=g), torch.randn(8, 5, generator=g)
     old = _C.cpu_num_threads()
+    isas = _C.cpu_supported_isas()
     try:
         _C.cpu_set_num_threads(1)
         assert linear_rows(x, w, None, "kn") is None
         assert linear_rows(x.bfloat16(), w.bfloat16(), None, "kn") is not None
         assert linear_rows(x, w.t().contiguous(), None) is not None
         _C.cpu_set_num_threads(2)
-        y = linear_rows(x, w, None, "kn")
-        assert y is not None and torch.allclose(y, x @ w, rtol=1e-5, atol=1e-6)
+        if "avx512" in isas:
+            _C.cpu_set_isa("avx512")
+            assert linear_rows(x, w, None, "kn") is None
+            assert linear_rows(x.bfloat16(), w.bfloat16(), None, "kn") is not None
+        if "avx2" in isas:
+            _C.cpu_set_isa("avx2")
+            y = linear_rows(x, w, None, "kn")
+            assert y is not None and torch.allclose(y, x @ w, rtol=1e-5, atol=1e-6)
     finally:
         _C.cpu_set_num_threads(old)
+        _C.cpu_set_isa("auto")
 
 
 @needs_torch
@@ -437,8 +458,11 @@ def test_linear_activation_few_rows_on_our_linear(monkeypatch, conv1d_view):
     bias = torch.randn(40, generator=g)
     ref = torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias))
     old = _C.cpu_num_threads()
+    if "avx2" not in _C.cpu_supported_isas():
+        pytest.skip("fp32 [K, N] weights take our kernel on the AVX2 level only (modules.linear_rows)")
     try:
         _C.cpu_set_num_threads(2)
+        _C.cpu_set_isa("avx2")
         with torch.no_grad():
             got = linear_activation(x, weight, bias, "gelu")
         assert calls == ["kn" if conv1d_view else "nk"]
@@ -453,3 +477,4 @@ def test_linear_activation_few_rows_on_our_linear(monkeypatch, conv1d_view):
         assert torch.allclose(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
     finally:
         _C.cpu_set_num_threads(old)
+        _C.cpu_set_isa("auto")

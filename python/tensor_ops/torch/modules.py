@@ -80,6 +80,7 @@ _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _is_autocast_enabled = torch.is_autocast_enabled
 _cpu_threads = _to._C.cpu_num_threads
+_cpu_isa = _to._C.cpu_active_isa
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -102,11 +103,14 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return None
     if _is_autocast_enabled("cpu"):
         return None  # F.linear casts under autocast; we would not
-    if weight_layout == "kn" and x.dtype == torch.float32 and _cpu_threads() < 2:
+    if weight_layout == "kn" and x.dtype == torch.float32 and (_cpu_threads() < 2 or _cpu_isa() != "avx2"):
         # Measured (one row, GPT-2's [768, 3072] / [3072, 768] / [768, 2304]):
         # on one thread torch's addmm takes 0.65-0.92x our kernel's time for
-        # an fp32 [K, N] weight; on two, our kernel is 1.27-1.44x faster, and
-        # in bf16 8-21x (bench/RESULTS.md, "Our linear kernel in decode").
+        # an fp32 [K, N] weight; on two, our AVX2 kernel is 1.27-1.44x faster
+        # (AMD EPYC), and in bf16 8-21x (bench/RESULTS.md, "Our linear kernel
+        # in decode"). On an AVX-512 Xeon, two threads, torch's (MKL) addmm
+        # took 0.55-0.85x our kernel's time ([512, 2048] and [2048, 512]):
+        # fp32 [K, N] stays on torch's there too.
         return None
     try:
         return _to.linear(x, weight, bias) if weight_layout == "nk" else _to.linear(x, weight, bias, weight_layout="kn")
