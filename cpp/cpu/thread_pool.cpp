@@ -167,18 +167,42 @@ static void chunk_range(int64_t n, int64_t chunks, int64_t i, int64_t& b, int64_
   e = n * (i + 1) / chunks;
 }
 
-// Every participant (the caller and each worker) takes chunk indices from
-// one counter until none is left: a thread that is descheduled (another
-// runtime's threads spinning on the same cores) holds up only the chunk it
-// is in, not a fixed share of the work.
-void ThreadPool::run_chunks(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int64_t chunks) {
-  for (;;) {
-    const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
-    if (i >= chunks) return;
+// Note [chunk affinity]: participant p (the caller is 0, worker i is i)
+// first takes the chunks of its own share, [p, p + 1) * chunks / parts, in
+// order, then helps with the others' shares from their ends backwards.
+// Every chunk is claimed once (an atomic exchange per chunk). When every
+// thread is on time, each thread runs the same rows call after call, so the
+// rows a call writes and the next call reads stay in that core's L2, as with
+// torch's static OpenMP schedule: [32, 4096] fp32 ops on two threads, handed
+// out first come first served, ran barely faster than on one (rms_norm 27.5
+// against 30 us, Xeon with 4 MiB L2 per core), the rows moving between cores
+// call by call. A thread that is late (descheduled by another runtime's
+// spinning threads) costs only the chunk it is in: the others take the rest
+// of its share. The chunks themselves depend only on n, grain and the thread
+// count, so results do not change.
+void ThreadPool::run_chunks(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int64_t chunks, int part,
+                            int parts, std::atomic<uint8_t>* claimed) {
+  auto take = [&](int64_t i) {
+    if (claimed[i].exchange(1, std::memory_order_relaxed)) return;
     int64_t b, e;
     chunk_range(n, chunks, i, b, e);
     fn(b, e);
+  };
+  if (part >= parts) part %= parts;
+  for (int64_t i = chunks * part / parts, end = chunks * (part + 1) / parts; i < end; ++i) take(i);
+  for (int q = 1; q < parts; ++q) {
+    const int r = (part + q) % parts;
+    for (int64_t i = chunks * (r + 1) / parts - 1, begin = chunks * r / parts; i >= begin; --i) take(i);
   }
+}
+
+std::atomic<uint8_t>* ThreadPool::claims_for(int64_t chunks) {
+  if (chunks > claimed_size_) {
+    claimed_.reset(new std::atomic<uint8_t>[size_t(chunks)]);
+    claimed_size_ = chunks;
+  }
+  for (int64_t i = 0; i < chunks; ++i) claimed_[size_t(i)].store(0, std::memory_order_relaxed);
+  return claimed_.get();
 }
 
 // Note [spinning workers]: a worker that has just run (or just missed) a
@@ -198,7 +222,7 @@ void ThreadPool::spin_for_next(uint64_t seen) const {
   }
 }
 
-void ThreadPool::worker(int, uint64_t seen) {
+void ThreadPool::worker(int index, uint64_t seen) {
   bool ran = false;
   for (;;) {
     if (ran) spin_for_next(seen);
@@ -211,8 +235,10 @@ void ThreadPool::worker(int, uint64_t seen) {
     ++active_;
     const auto* fn = fn_;
     const int64_t n = n_, chunks = chunks_;
+    const int parts = parts_;
+    std::atomic<uint8_t>* claimed = claimed_.get();
     lock.unlock();
-    run_chunks(*fn, n, chunks);
+    run_chunks(*fn, n, chunks, index, parts, claimed);
     lock.lock();
     if (--active_ == 0 && !open_) done_cv_.notify_one();
   }
@@ -260,21 +286,21 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     // 2 threads against 220 on one (124 with torch idle). On torch's own
     // threads the region starts at once. The chunks and their dynamic hand-out
     // are ours, as below, so results do not change.
+    // Participants as in Note [chunk affinity]: the caller 0, the team's
+    // other threads 1.. in the order they arrive.
     struct Region {
       const std::function<void(int64_t, int64_t)>* fn;
       int64_t n, chunks;
-      std::atomic<int64_t> next{0};
-    } region{&fn, n, chunks};
+      int parts;
+      std::atomic<uint8_t>* claimed;
+      std::thread::id caller;
+      std::atomic<int> arrived{1};
+    } region{&fn, n, chunks, threads, claims_for(chunks), std::this_thread::get_id()};
     gomp(
         [](void* p) {
           Region& r = *static_cast<Region*>(p);
-          for (;;) {
-            const int64_t i = r.next.fetch_add(1, std::memory_order_relaxed);
-            if (i >= r.chunks) return;
-            int64_t b, e;
-            chunk_range(r.n, r.chunks, i, b, e);
-            (*r.fn)(b, e);
-          }
+          const int part = std::this_thread::get_id() == r.caller ? 0 : r.arrived.fetch_add(1);
+          run_chunks(*r.fn, r.n, r.chunks, part, r.parts, r.claimed);
         },
         &region, unsigned(threads), 0);
     return;
@@ -285,13 +311,14 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     fn_ = &fn;
     n_ = n;
     chunks_ = chunks;
-    next_.store(0, std::memory_order_relaxed);
+    parts_ = threads;
+    claims_for(chunks);
     open_ = true;
     active_ = 0;
     ++generation_;
   }
   start_cv_.notify_all();
-  run_chunks(fn, n, chunks);  // returns once every chunk is taken
+  run_chunks(fn, n, chunks, 0, threads, claimed_.get());  // returns once every chunk is taken
   std::unique_lock<std::mutex> lock(m_);
   open_ = false;
   done_cv_.wait(lock, [&] { return active_ == 0; });

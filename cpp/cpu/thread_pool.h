@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -30,7 +31,8 @@ class ThreadPool {
   void set_num_threads(int threads);
   // Calls fn(begin, end) over [0, n) split into at most
   // kChunksPerThread * num_threads() ranges of at least `grain` items each,
-  // handed out dynamically to the calling thread and the workers. The split
+  // shared out to the calling thread and the workers, each taking its own
+  // share first and then helping with the others' (Note [chunk affinity]). The split
   // depends only on n, grain and the thread count, never on timing.
   static constexpr int kChunksPerThread = 8;
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
@@ -56,7 +58,10 @@ class ThreadPool {
   static void after_fork_in_child();
   void worker(int index, uint64_t seen);
   void spin_for_next(uint64_t seen) const;
-  void run_chunks(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int64_t chunks);
+  // Runs the chunks participant `part` of `parts` claims (Note [chunk affinity]).
+  static void run_chunks(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int64_t chunks, int part,
+                         int parts, std::atomic<uint8_t>* claimed);
+  std::atomic<uint8_t>* claims_for(int64_t chunks);  // reset claim flags for a region (run_mutex_ held)
 
   std::atomic<int> num_threads_;
   std::vector<std::thread> workers_;
@@ -75,7 +80,9 @@ class ThreadPool {
   bool open_ = false;
   int active_ = 0;
   int64_t n_ = 0, chunks_ = 0;
-  std::atomic<int64_t> next_{0};  // the next chunk to hand out
+  int parts_ = 1;  // the region's participants: the caller (0) and workers 1..parts_-1
+  std::unique_ptr<std::atomic<uint8_t>[]> claimed_;  // per chunk: taken (Note [chunk affinity])
+  int64_t claimed_size_ = 0;
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   bool stop_ = false;
   bool workers_started_ = false;  // false in a child forked after they started (Note [fork])
