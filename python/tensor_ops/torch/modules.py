@@ -83,6 +83,12 @@ _cpu_threads = _to._C.cpu_num_threads
 _cpu_isa = _to._C.cpu_active_isa
 
 
+def fp32_kn_ours() -> bool:
+    """Whether a few-row fp32 product with a [K, N] weight runs our kernel:
+    on two or more threads of the AVX2 kernels only (see linear_rows)."""
+    return _cpu_threads() >= 2 and _cpu_isa() == "avx2"
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 weight_layout: str = "nk") -> Optional[torch.Tensor]:
     """x @ weight.T + bias (weight [N, K]; weight_layout "kn": x @ weight +
@@ -103,7 +109,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return None
     if _is_autocast_enabled("cpu"):
         return None  # F.linear casts under autocast; we would not
-    if weight_layout == "kn" and x.dtype == torch.float32 and (_cpu_threads() < 2 or _cpu_isa() != "avx2"):
+    if weight_layout == "kn" and x.dtype == torch.float32 and not fp32_kn_ours():
         # Measured (one row, GPT-2's [768, 3072] / [3072, 768] / [768, 2304]):
         # on one thread torch's addmm takes 0.65-0.92x our kernel's time for
         # an fp32 [K, N] weight; on two, our AVX2 kernel is 1.27-1.44x faster
@@ -302,6 +308,8 @@ def conv1d_class() -> type:
             __doc__ = conv1d_class.__doc__
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
+                if x.dtype is torch.float32 and (_is_compiling() or not fp32_kn_ours()):
+                    return super().forward(x)  # neither our kernel nor the fp32 route applies: no checks
                 y = linear_rows(x, self.weight, self.bias, "kn")
                 if y is None:
                     y = widened_linear(x, self.weight, self.bias, "kn")
