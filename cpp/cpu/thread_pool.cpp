@@ -284,8 +284,8 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     // after each of torch's parallel ops; ours then had to share a core with
     // a spinning one, and a [32, 4096] silu between torch ops took 268 us on
     // 2 threads against 220 on one (124 with torch idle). On torch's own
-    // threads the region starts at once. The chunks and their dynamic hand-out
-    // are ours, as below, so results do not change.
+    // threads the region starts at once. The chunks and how they are shared
+    // out are ours, as below, so results do not change.
     // Participants as in Note [chunk affinity]: the caller 0, the team's
     // other threads 1.. in the order they arrive.
     struct Region {
