@@ -366,16 +366,6 @@ to_status run_phase(const to_op_call& c, const IsaKernels* k) {
                                      std::max<int64_t>(1, sp.items / grain));
   // fused attention backward: equal items, one chunk (and scratch) per thread
   if (op == OpId::attention_backward && c.ints[6] == 2) chunks = std::min<int64_t>(sp.items, pool.num_threads());
-  // Note [linear affinity]: linear runs one chunk per thread. Decode calls
-  // the same weights over and over; with one chunk each, the caller takes the
-  // first and a worker the second on nearly every call, so each core reads
-  // the same slice of w each time, from its own L2 when the slice fits (a
-  // late worker's chunk goes to the caller: no wait). Over-decomposed, the
-  // slices moved between cores call by call: [1, 512] x [2048, 512]^T fp32
-  // on 2 threads of a Xeon with 4 MiB L2 per core took 53.5 us against
-  // torch's 46 us; one chunk per thread, 43 us. Results do not change (the
-  // items are the same: Note [linear rows]).
-  if (op == OpId::linear) chunks = std::min<int64_t>(std::max<int64_t>(1, sp.items), pool.num_threads());
   if (sp.items == 0) chunks = 1;
   ChunkScratch scratch(size_t(chunks * sp.scratch), op == OpId::attention_backward);
   std::atomic<int> bad{0};
