@@ -410,11 +410,6 @@ def use_torch_openmp() -> bool:
     return bool(addr)
 
 
-def _torch_gomp_parallel() -> int:
-    """The address of GOMP_parallel in the libgomp torch loaded (torch/lib/), or 0."""
-    return _torch_gomp()[0]
-
-
 def _torch_gomp() -> tuple[int, int]:
     """The addresses of GOMP_parallel and omp_get_max_threads in the libgomp
     torch loaded (torch/lib/), or zeros. The second keeps our regions' teams

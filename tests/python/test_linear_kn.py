@@ -436,7 +436,7 @@ def test_fp32_kn_rows_take_torch_on_one_thread():
 
 @needs_torch
 @pytest.mark.parametrize("conv1d_view", [False, True])
-def test_linear_activation_few_rows_on_our_linear(monkeypatch, conv1d_view):
+def test_linear_activation_few_rows_on_our_linear(monkeypatch, conv1d_view, fp32_kn_ours):
     """fused_linear.linear_activation (GPT-2's c_fc + GELU, NeoX / BERT dense +
     act) runs a few-row call without gradient on our linear kernel, on the
     weight as stored (a Conv1D's [in, out] weight arrives as its transposed
@@ -457,24 +457,15 @@ def test_linear_activation_few_rows_on_our_linear(monkeypatch, conv1d_view):
     weight = stored.t() if conv1d_view else stored  # [out, in] as linear_activation takes it
     bias = torch.randn(40, generator=g)
     ref = torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias))
-    old = _C.cpu_num_threads()
-    if "avx2" not in _C.cpu_supported_isas():
-        pytest.skip("fp32 [K, N] weights take our kernel on the AVX2 level only (modules.linear_rows)")
-    try:
-        _C.cpu_set_num_threads(2)
-        _C.cpu_set_isa("avx2")
-        with torch.no_grad():
-            got = linear_activation(x, weight, bias, "gelu")
-        assert calls == ["kn" if conv1d_view else "nk"]
-        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
-        w = stored.detach().clone().requires_grad_()
-        got = linear_activation(x, w.t() if conv1d_view else w, bias, "gelu")
-        got.sum().backward()
-        w_ref = stored.detach().clone().requires_grad_()
-        F = torch.nn.functional
-        F.gelu(F.linear(x, w_ref.t() if conv1d_view else w_ref, bias)).sum().backward()
-        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
-        assert torch.allclose(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
-    finally:
-        _C.cpu_set_num_threads(old)
-        _C.cpu_set_isa("auto")
+    with torch.no_grad():
+        got = linear_activation(x, weight, bias, "gelu")
+    assert calls == ["kn" if conv1d_view else "nk"]
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+    w = stored.detach().clone().requires_grad_()
+    got = linear_activation(x, w.t() if conv1d_view else w, bias, "gelu")
+    got.sum().backward()
+    w_ref = stored.detach().clone().requires_grad_()
+    F = torch.nn.functional
+    F.gelu(F.linear(x, w_ref.t() if conv1d_view else w_ref, bias)).sum().backward()
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
