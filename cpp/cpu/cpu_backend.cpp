@@ -59,17 +59,19 @@ std::vector<const IsaKernels*> supported_levels() {
 #ifdef TENSOR_OPS_CPU_X86
   const CpuFeatures& f = features();
   if (f.avx2 && f.fma && f.f16c) v.push_back(&kernels_avx2());
-  if (f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq)
+  if (f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) {
     v.push_back(&kernels_avx512());
+    if (f.avx512_bf16) v.push_back(&kernels_avx512_bf16());
+  }
 #endif
   return v;
 }
 
 const IsaKernels* pick_level(const std::string& name) {
-  static const char* known[] = {"baseline", "avx2", "avx512"};
+  static const char* known[] = {"baseline", "avx2", "avx512", "avx512_bf16"};
   if (std::find_if(std::begin(known), std::end(known), [&](const char* k) { return name == k; }) ==
       std::end(known))
-    throw InvalidArgument("unknown CPU ISA level '" + name + "'; valid: baseline, avx2, avx512, auto");
+    throw InvalidArgument("unknown CPU ISA level '" + name + "'; valid: baseline, avx2, avx512, avx512_bf16, auto");
   for (const IsaKernels* k : supported_levels())
     if (name == k->name) return k;
   throw Unsupported("this CPU cannot run the '" + name + "' kernels (supported: " + [] {

@@ -196,19 +196,21 @@ TENSOR_OPS_VEC_INLINE T erf_rational_t(T z) {
   return x * p * recip_t(q);
 }
 
-// Whether any lane of a comparison's result is true.
-TENSOR_OPS_VEC_INLINE bool any_lane(bool m) { return m; }
-template <class M>
-TENSOR_OPS_VEC_INLINE bool any_lane(M m) {
+// Whether any lane of v is greater than b. AVX-512 compares into a mask
+// register and tests it (a vector comparison's result would be moved to a
+// vector and back to a mask: two more port-5 instructions per register).
+TENSOR_OPS_VEC_INLINE bool any_greater(float v, float b) { return v > b; }
+template <class T>
+TENSOR_OPS_VEC_INLINE bool any_greater(T v, float b) {
 #if defined(__AVX512F__)
-  return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+  return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(b), _CMP_GT_OQ) != 0;
 #elif defined(__AVX__)
-  return _mm256_movemask_ps((__m256)m) != 0;
+  return _mm256_movemask_ps((__m256)(v > splat<T>(b))) != 0;
 #elif defined(__SSE__)
-  return _mm_movemask_ps((__m128)m) != 0;
+  return _mm_movemask_ps((__m128)(v > splat<T>(b))) != 0;
 #else
   for (int j = 0; j < kVW; ++j)
-    if (m[j]) return true;
+    if (v[j] > b) return true;
   return false;
 #endif
 }
@@ -227,7 +229,7 @@ template <class T>
 TENSOR_OPS_VEC_INLINE T gelu_erf_t(T x) {
   const T z = x * -0.70710678118654752f;
   const T fast = 0.5f * x * (1.0f - erf_rational_t(z));
-  if (!any_lane(z > splat<T>(2.0f))) return fast;
+  if (!any_greater(z, 2.0f)) return fast;
   const T tail = 0.5f * x * erfc_t(z);
   return z > splat<T>(2.0f) ? tail : fast;
 }

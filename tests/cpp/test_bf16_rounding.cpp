@@ -31,6 +31,7 @@ const cpu::IsaKernels& table(const std::string& level) {
 #ifdef TENSOR_OPS_CPU_X86
   if (level == "avx2") return cpu::kernels_avx2();
   if (level == "avx512") return cpu::kernels_avx512();
+  if (level == "avx512_bf16") return cpu::kernels_avx512_bf16();
 #endif
   return cpu::kernels_baseline();
 }
@@ -187,7 +188,7 @@ TEST_P(Bf16Rounding, NarrowsSubnormalsUnderFtzDaz) {
 }
 #endif
 
-INSTANTIATE_TEST_SUITE_P(Levels, Bf16Rounding, ::testing::Values("baseline", "avx2", "avx512"),
+INSTANTIATE_TEST_SUITE_P(Levels, Bf16Rounding, ::testing::Values("baseline", "avx2", "avx512", "avx512_bf16"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

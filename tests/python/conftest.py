@@ -73,12 +73,16 @@ def ref_gelu(x, approximate="none"):
     return 0.5 * x * _erfc(-x / math.sqrt(2.0))
 
 
-def assert_close(got, ref, dtype, what=""):
+def assert_close(got, ref, dtype, what="", scale=None):
+    """|got - ref| <= RTOL |ref| + ATOL scale + FLOOR elementwise; scale: the
+    magnitude of the terms the result sums (default max |ref|; a result that
+    cancels, such as attention's weighted mean of v, needs the terms', max |v|)."""
     got64 = to64(got)
     assert got64.shape == ref.shape, f"{what}: shape {got64.shape} != {ref.shape}"
     if ref.size == 0:
         return
-    scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=0.0))
+    if scale is None:
+        scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=0.0))
     tol = RTOL[dtype] * np.abs(ref) + ATOL[dtype] * max(scale, 1e-30) + FLOOR[dtype]
     err = np.abs(got64 - ref)
     bad = ~(err <= tol) & ~(np.isnan(got64) & np.isnan(ref))
