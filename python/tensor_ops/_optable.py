@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _C
 from ._arrays import FAST_NP, POOL_OUTPUT_BYTES, TORCH_TYPES, Arg, call, empty_like, fast_out, run
-from .errors import LayoutError, UnsupportedError
+from .errors import LayoutError, TensorOpsError, UnsupportedError
 
 
 class OpEntry(NamedTuple):
@@ -135,6 +135,21 @@ def _into(e: OpEntry, arrays: tuple, outs: tuple, extra: tuple):
     except LayoutError:
         return None
     return outs[0] if len(outs) == 1 else outs
+
+
+def torch_call(name: str, arrays: tuple, extra: tuple):
+    """The binding of TABLE[name] on host torch tensors, its outputs made in
+    C++ (Note [outputs made in C++]): the torch layer's direct lane
+    (functional._run), without the public op's option checks, which its
+    caller has done. The output(s), or None for anything this does not
+    take as it is (a strided or lazy layout, a large output, device data,
+    mixed dtypes, an option the core refuses, the XLA shim selected): the
+    caller then takes the public op, which copies, routes or words the error."""
+    e = TABLE[name]
+    try:
+        return e.fn(*arrays, *_NONES[len(e.like)], *extra)
+    except (TensorOpsError, TypeError):
+        return None
 
 
 def invoke(name: str, arrays: tuple, extra: tuple = (), out=None):

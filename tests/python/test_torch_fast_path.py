@@ -192,3 +192,85 @@ def test_rope_and_attention_on_the_table_lane(kind):
     s = s.masked_fill(~mask, float("-inf"))
     np.testing.assert_allclose(np.asarray(out), (torch.softmax(s, -1) @ vt).numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), torch.logsumexp(s, -1).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _lane_calls(monkeypatch):
+    """(binding calls, DIRECT calls) as functional ops run: the direct lane
+    calls the table's binding; the fallback calls the plain kernel."""
+    from tensor_ops import _optable
+    from tensor_ops.torch import custom_ops
+
+    seen = {"binding": 0, "direct": 0}
+    for name, entry in list(_optable.TABLE.items()):
+        def counted(*a, _fn=entry.fn, **k):
+            seen["binding"] += 1
+            return _fn(*a, **k)
+        monkeypatch.setitem(_optable.TABLE, name, entry._replace(fn=counted))
+    for name in TF.LOWERED:
+        impl = getattr(custom_ops.DIRECT, name)
+
+        def plain(*a, _impl=impl):
+            seen["direct"] += 1
+            return _impl(*a)
+        monkeypatch.setattr(custom_ops.DIRECT, name, plain)
+    return seen
+
+
+def test_direct_lane_runs_the_binding_for_plain_calls(monkeypatch):
+    """Note [direct lane]: a plain call with nothing to differentiate runs the
+    op table's binding once, not the public op; its answer is torch's."""
+    seen = _lane_calls(monkeypatch)
+    x, u = torch.randn(3, 40), torch.randn(3, 40)
+    w, b = torch.rand(40) + 0.5, torch.randn(40)
+    cases = [
+        (lambda: TF.rms_norm(x, w, 1e-6), lambda: F.rms_norm(x, (40,), w, 1e-6)),
+        (lambda: TF.rms_norm(x, w, 1e-6, 1.0), lambda: F.rms_norm(x, (40,), w + 1, 1e-6)),
+        (lambda: TF.layer_norm(x, w, b, 1e-5), lambda: F.layer_norm(x, (40,), w, b, 1e-5)),
+        (lambda: TF.layer_norm(x, w, None, 1e-5), lambda: F.layer_norm(x, (40,), w, None, 1e-5)),
+        (lambda: TF.add_rms_norm(x, u, w, 1e-6), lambda: (F.rms_norm(x + u, (40,), w, 1e-6), x + u)),
+        (lambda: TF.silu(x), lambda: F.silu(x)),
+        (lambda: TF.gelu(x, "tanh"), lambda: F.gelu(x, approximate="tanh")),
+        (lambda: TF.swiglu(x, u), lambda: F.silu(x) * u),
+        (lambda: TF.geglu(x, u, "none"), lambda: F.gelu(x) * u),
+        (lambda: TF.softmax(x, -1, 0.5), lambda: torch.softmax(0.5 * x, -1)),
+        (lambda: TF.log_softmax(x), lambda: torch.log_softmax(x, -1)),
+        (lambda: TF.softmax(x, -1, 1.0, True), lambda: torch.softmax(x.masked_fill(
+            ~torch.ones(3, 40, dtype=torch.bool).tril(37), float("-inf")), -1)),
+    ]
+    for ours, ref in cases:
+        before = dict(seen)
+        torch.testing.assert_close(ours(), ref(), rtol=1e-5, atol=1e-5)
+        assert seen["binding"] - before["binding"] == 1 and seen["direct"] == before["direct"]
+
+
+def test_direct_lane_hands_what_it_does_not_take_to_the_public_op(monkeypatch):
+    """A strided view, another dim, mixed dtypes, a bad option: the plain
+    kernel (through the public op, which copies, converts or words the
+    error), with the same answer or error as before the lane."""
+    seen = _lane_calls(monkeypatch)
+    x = torch.randn(40, 3)
+    w = torch.rand(40) + 0.5
+    before = seen["direct"]
+    torch.testing.assert_close(TF.silu(x.t()), F.silu(x.t()))  # strided: the binding refuses the layout
+    torch.testing.assert_close(TF.softmax(x, 0), torch.softmax(x, 0))  # not the last dim
+    with pytest.raises(TypeError, match=r"float16\[40\]"):
+        TF.rms_norm(x.t().contiguous(), w.half(), 1e-6)  # mixed dtypes: the public op's worded error
+    with pytest.raises(ValueError, match="approximate"):
+        TF.gelu(x, "fast")
+    with pytest.raises(ValueError, match="40"):
+        TF.rms_norm(x, w, 1e-6)  # [40, 3] against a weight of 40: the public op's error
+    assert seen["direct"] - before == 5
+
+
+def test_direct_lane_leaves_a_selected_xla_shim_its_calls(monkeypatch):
+    """With the XLA shim selected for host arrays the binding refuses
+    (ExternalBackendSelected): the call goes through the public op to the shim."""
+    pytest.importorskip("jax")
+    from tensor_ops import _optable
+
+    x = torch.randn(3, 40)
+    with tensor_ops.use("xla"):
+        assert _optable.torch_call("silu", (x,), ()) is None
+        seen = _lane_calls(monkeypatch)
+        torch.testing.assert_close(TF.silu(x), F.silu(x))
+    assert seen["direct"] == 1

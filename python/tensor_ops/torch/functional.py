@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from tensor_ops._optable import torch_call
+
 from .custom_ops import DIRECT, FUNCTIONS, OPS
 
 # Plain tensors in eager mode take the autograd.Function (or, with no
@@ -20,6 +22,36 @@ _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
 
 
+def _softmax_options(dim, scale, causal, log=False):
+    return (scale, 1 if causal else 0, log) if dim == -1 and type(scale) is float and type(causal) is bool else None
+
+
+# Note [direct lane]
+# A call with nothing to differentiate runs the op table's binding
+# (tensor_ops._optable.torch_call) with its outputs made in C++: no public
+# op, no routing wrapper, no contiguous() per argument. Here is how each op's
+# arguments become the table's: the op table entry, how many leading
+# arguments are its arrays, and the table's extra scalars from the op's own
+# options (None: they pass as they are; a function returning None: options
+# the public op must check or convert). What the binding does not take as it
+# is (a strided view, a large output, mixed dtypes, a bad option, the XLA
+# shim selected) goes the way it went before: the plain kernel (DIRECT),
+# through the public op. Measured per call, fp32, 1 thread (Xeon, best of 7
+# x 20000): silu [1, 4096] 5.2 -> 3.6 us (the public op 3.4, the binding
+# alone 3.0, F.silu 2.3-2.8); layer_norm [1, 64] 3.5 us (F.layer_norm 2.3).
+LOWERED = {
+    "rms_norm": ("rms_norm", 2, None),
+    "layer_norm": ("layer_norm", 3, None),
+    "add_rms_norm": ("add_rms_norm", 3, None),
+    "silu": ("silu", 1, None),
+    "gelu": ("gelu", 1, None),
+    "swiglu": ("glu", 2, lambda: ("silu", "none")),
+    "geglu": ("glu", 2, lambda approximate: ("gelu", approximate)),
+    "softmax": ("softmax", 1, _softmax_options),
+    "log_softmax": ("softmax", 1, lambda dim, scale, causal: _softmax_options(dim, scale, causal, True)),
+}
+
+
 def _run(name: str, *args):
     """The op `name` on args, every argument given (Functions take no defaults)."""
     # Tracing and tensor subclasses (FakeTensor, DTensor...) take the custom op.
@@ -31,6 +63,14 @@ def _run(name: str, *args):
             for a in args:
                 if isinstance(a, _Tensor) and a.requires_grad:
                     return function.apply(*args)
+        lowered = LOWERED.get(name)
+        if lowered is not None:
+            entry, n, options = lowered
+            extra = args[n:] if options is None else options(*args[n:])
+            if extra is not None:
+                y = torch_call(entry, args[:n], extra)
+                if y is not None:
+                    return y
         return getattr(DIRECT, name)(*args)
     return OPS[name](*args)
 
