@@ -57,7 +57,7 @@ import torch
 import tensor_ops
 import tensor_ops.torch as tt
 from tensor_ops import _C
-from tensor_ops.torch import custom_ops
+from tensor_ops.torch import custom_ops, functional
 
 try:
     import transformers
@@ -268,9 +268,12 @@ GEMM = "(GEMM)"
 @contextlib.contextmanager
 def labelled_kernels():
     """Each tensor_ops kernel the torch layer calls, wrapped in a
-    record_function "tensor_ops::<op>" (the profiler sees no torch op there)."""
+    record_function "tensor_ops::<op>" (the profiler sees no torch op there):
+    the public ops, and the functional layer's direct lane (Note [direct
+    lane]), labelled by the op table entry it runs."""
     names = [n for n in vars(custom_ops.DIRECT) if callable(getattr(tensor_ops, n, None))]
     saved = {n: getattr(tensor_ops, n) for n in names}
+    direct = functional.torch_call
 
     def label(name, fn):
         def call(*a, **kw):
@@ -278,13 +281,19 @@ def labelled_kernels():
                 return fn(*a, **kw)
         return call
 
+    def direct_labelled(entry, arrays, extra):
+        with torch.profiler.record_function(f"tensor_ops::{entry}"):
+            return direct(entry, arrays, extra)
+
     for n, fn in saved.items():
         setattr(tensor_ops, n, label(n, fn))
+    functional.torch_call = direct_labelled
     try:
         yield
     finally:
         for n, fn in saved.items():
             setattr(tensor_ops, n, fn)
+        functional.torch_call = direct
 
 
 def self_times(fn, reps: int) -> dict:

@@ -237,6 +237,15 @@ def test_direct_lane_runs_the_binding_for_plain_calls(monkeypatch):
         (lambda: TF.softmax(x, -1, 1.0, True), lambda: torch.softmax(x.masked_fill(
             ~torch.ones(3, 40, dtype=torch.bool).tril(37), float("-inf")), -1)),
     ]
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    sdpa = F.scaled_dot_product_attention
+    cases += [
+        (lambda: TF.attention(q, k, v), lambda: sdpa(q, k, v, enable_gqa=True)),
+        (lambda: TF.attention(q, k, v, True, 0.3, causal_alignment="top_left"),
+         lambda: sdpa(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)),
+        (lambda: TF.attention(q, k, v, True),
+         lambda: sdpa(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.bool).tril(2), enable_gqa=True)),
+    ]
     for ours, ref in cases:
         before = dict(seen)
         torch.testing.assert_close(ours(), ref(), rtol=1e-5, atol=1e-5)
@@ -259,7 +268,12 @@ def test_direct_lane_hands_what_it_does_not_take_to_the_public_op(monkeypatch):
         TF.gelu(x, "fast")
     with pytest.raises(ValueError, match="40"):
         TF.rms_norm(x, w, 1e-6)  # [40, 3] against a weight of 40: the public op's error
-    assert seen["direct"] - before == 5
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="causal_alignment"):
+        TF.attention(q, q, q, True, causal_alignment="middle")
+    with pytest.raises(ValueError, match=r"\[batch, heads, seq, head_dim\]"):
+        TF.attention(q[0], q[0], q[0])
+    assert seen["direct"] - before == 7
 
 
 def test_direct_lane_leaves_a_selected_xla_shim_its_calls(monkeypatch):
