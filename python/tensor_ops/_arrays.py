@@ -6,6 +6,7 @@ torch tensor in gives a torch tensor out and numpy gives numpy.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -236,10 +237,17 @@ def empty_like(arg: Arg, shape=None, dtype: str | None = None):
         return _C.empty(list(shape), dtype or a.dtype, a.device)
     if arg.kind == "torch":
         t = _torch()
+        dt = getattr(t, dtype) if dtype else a.dtype
+        big = math.prod(shape) * dt.itemsize >= POOL_OUTPUT_BYTES
+        if big and a.is_cpu and dt in (t.float32, t.float16, t.bfloat16):  # see POOL_OUTPUT_BYTES
+            return t.from_dlpack(_C.empty(list(shape), str(dt)[len("torch."):], "cpu"))
         if dtype is None and shape == tuple(a.shape):  # ~1.2 us against ~1.8 us for t.empty(...)
             return t.empty_like(a, memory_format=t.contiguous_format)
-        return t.empty(shape, dtype=getattr(t, dtype) if dtype else a.dtype, device=a.device)
-    return np.empty(shape, dtype=np.dtype(dtype) if dtype else a.dtype)
+        return t.empty(shape, dtype=dt, device=a.device)
+    dt = np.dtype(dtype) if dtype else a.dtype
+    if dt in FAST_NP and math.prod(shape) * dt.itemsize >= POOL_OUTPUT_BYTES:
+        return _C.empty(list(shape), dt.name, "cpu")._host_bits().view(dt)
+    return np.empty(shape, dtype=dt)
 
 
 def native(value):

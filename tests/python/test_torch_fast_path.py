@@ -288,3 +288,19 @@ def test_direct_lane_leaves_a_selected_xla_shim_its_calls(monkeypatch):
         seen = _lane_calls(monkeypatch)
         torch.testing.assert_close(TF.silu(x), F.silu(x))
     assert seen["direct"] == 1
+
+
+def test_large_general_lane_outputs_come_from_the_pool():
+    """POOL_OUTPUT_BYTES holds for outputs the general lane makes too
+    (cross_entropy_with_grad's dlogits): a pool block, reused, not a fresh
+    mmap per call that the kernel page-faults in."""
+    x = torch.randn(256, 32769)  # 33.6 MB of float32
+    t = torch.randint(0, 32769, (256,))
+    before = tensor_ops.memory_stats()["allocation.all.allocated"]
+    loss, dl = tensor_ops.cross_entropy_with_grad(x, t)
+    assert tensor_ops.memory_stats()["allocation.all.allocated"] > before
+    ref = (torch.softmax(x.double(), -1) - F.one_hot(t, 32769).double()) / 256
+    torch.testing.assert_close(dl.double(), ref, rtol=1e-5, atol=1e-9)
+    y = tensor_ops.cross_entropy_with_grad(x.numpy(), t.numpy())[1]
+    assert isinstance(y, np.ndarray) and y.dtype == np.float32
+    np.testing.assert_allclose(y, dl.numpy(), rtol=0, atol=0)

@@ -349,6 +349,30 @@ def test_cross_entropy_backward_hands_back_the_forward_gradient(monkeypatch, eag
     assert torch.allclose(logits2.grad, before * 0.25)
 
 
+def test_cross_entropy_leaf_gradient_is_the_forward_buffer(monkeypatch, eager_path):
+    """Note [the gradient handed over]: in eager mode logits.grad of a leaf is
+    the buffer the forward wrote (autograd is handed the only reference, so
+    it does not copy); a second backward through a retained graph computes
+    it again, and the gradients add up."""
+    made = []  # the data pointers of the forward's dlogits (a reference kept here would make autograd copy)
+    fused = tensor_ops.cross_entropy_with_grad
+    monkeypatch.setattr(tensor_ops, "cross_entropy_with_grad",
+                        lambda *a, **k: (lambda r: made.append(r[1].data_ptr()) or r)(fused(*a, **k)))
+    torch.manual_seed(3)
+    logits = torch.randn(6, 11, requires_grad=True)
+    target = torch.randint(0, 11, (6,))
+    loss = tt.cross_entropy(logits, target)
+    loss.backward(retain_graph=True)
+    if eager_path == "function":
+        assert logits.grad.data_ptr() == made[0]
+    ref = logits.detach().double().requires_grad_()
+    F.cross_entropy(ref, target).backward()
+    assert rel_err(logits.grad, ref.grad) < 1e-5
+    first = logits.grad.clone()
+    loss.backward(torch.tensor(0.5))
+    assert rel_err(logits.grad, 1.5 * first) < 1e-6
+
+
 def test_attention_lse_is_float32_and_not_differentiable(eager_path):
     q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
     out, lse = tt.attention(q, q, q, return_lse=True)

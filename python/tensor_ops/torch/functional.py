@@ -169,8 +169,9 @@ def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "me
     F.cross_entropy's; z_loss adds z_loss * logsumexp^2 per row (PaLM);
     softcap: logits -> softcap * tanh(logits / softcap) first (Gemma 2)."""
     args = (logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _run("cross_entropy_with_grad", *args)[0]
+    if torch.is_grad_enabled() and logits.requires_grad and not (
+            EAGER_FUNCTIONS and type(logits) is _Tensor and not _is_compiling()):
+        return _run("cross_entropy_with_grad", *args)[0]  # traced: the fused op (eager: Note [the gradient handed over])
     return _run("cross_entropy", *args)
 
 
