@@ -57,7 +57,7 @@ import torch
 import tensor_ops
 import tensor_ops.torch as tt
 from tensor_ops import _C
-from tensor_ops.torch import custom_ops, functional
+from tensor_ops.torch import custom_ops
 
 try:
     import transformers
@@ -273,7 +273,7 @@ def labelled_kernels():
     lane]), labelled by the op table entry it runs."""
     names = [n for n in vars(custom_ops.DIRECT) if callable(getattr(tensor_ops, n, None))]
     saved = {n: getattr(tensor_ops, n) for n in names}
-    direct = functional.torch_call
+    direct = custom_ops.torch_call
 
     def label(name, fn):
         def call(*a, **kw):
@@ -287,13 +287,13 @@ def labelled_kernels():
 
     for n, fn in saved.items():
         setattr(tensor_ops, n, label(n, fn))
-    functional.torch_call = direct_labelled
+    custom_ops.torch_call = direct_labelled
     try:
         yield
     finally:
         for n, fn in saved.items():
             setattr(tensor_ops, n, fn)
-        functional.torch_call = direct
+        custom_ops.torch_call = direct
 
 
 def self_times(fn, reps: int) -> dict:

@@ -3,14 +3,12 @@ torch.compile (no graph break), cheap in eager mode (see Note [two ways in]
 in custom_ops)."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from tensor_ops._optable import torch_call
-
-from .custom_ops import DIRECT, FUNCTIONS, OPS
+from . import custom_ops
+from .custom_ops import DIRECT, FUNCTIONS, LOWERED, OPS
 
 # Plain tensors in eager mode take the autograd.Function (or, with no
 # gradient to record, the kernel itself); tests turn this off to drive the
@@ -21,52 +19,6 @@ EAGER_FUNCTIONS = True
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
-
-
-def _softmax_options(x, dim, scale, causal, log=False):
-    return (scale, 1 if causal else 0, log) if dim == -1 and type(scale) is float and type(causal) is bool else None
-
-
-_CAUSAL_MODES = {"bottom_right": 1, "top_left": 2}
-
-
-def _attention_options(q, k, v, causal, scale, causal_alignment):
-    if type(causal) is not bool or causal_alignment not in _CAUSAL_MODES or q.dim() != 4 or q.shape[3] < 1:
-        return None
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[3])  # the public op's default, to the bit
-    elif type(scale) is not float:
-        return None
-    return (_CAUSAL_MODES[causal_alignment] if causal else 0, scale)
-
-
-# Note [direct lane]
-# A call with nothing to differentiate runs the op table's binding
-# (tensor_ops._optable.torch_call) with its outputs made in C++: no public
-# op, no routing wrapper, no contiguous() per argument. Here is how each op's
-# arguments become the table's: the op table entry, how many leading
-# arguments are its arrays, and the table's extra scalars from the op's
-# arguments (None: the options pass as they are; a function of all the
-# arguments, returning None for options the public op must check or
-# convert). What the binding does not take as it is (a strided view, a large
-# output, mixed dtypes, a bad option, the XLA shim selected) goes the way it
-# went before: the plain kernel (DIRECT), through the public op. Measured per
-# call, fp32, 1 thread (Xeon, best of 7 x 20000): silu [1, 4096] 5.2 -> 3.6
-# us (the public op 3.4, the binding alone 3.0, F.silu 2.3-2.8); layer_norm
-# [1, 64] 3.5 us (F.layer_norm 2.3); decode attention [1, 8, 1, 64] over 300
-# keys 30.4 -> 27.0 us (SDPA 29.2), over 1 key 10.3 -> 6.8 us (SDPA 5.6).
-LOWERED = {
-    "rms_norm": ("rms_norm", 2, None),
-    "layer_norm": ("layer_norm", 3, None),
-    "add_rms_norm": ("add_rms_norm", 3, None),
-    "silu": ("silu", 1, None),
-    "gelu": ("gelu", 1, None),
-    "swiglu": ("glu", 2, lambda gate, up: ("silu", "none")),
-    "geglu": ("glu", 2, lambda gate, up, approximate: ("gelu", approximate)),
-    "softmax": ("softmax", 1, _softmax_options),
-    "log_softmax": ("softmax", 1, lambda x, dim, scale, causal: _softmax_options(x, dim, scale, causal, True)),
-    "attention": ("attention", 3, _attention_options),
-}
 
 
 def _run(name: str, *args):
@@ -85,7 +37,7 @@ def _run(name: str, *args):
             entry, n, options = lowered
             extra = args[n:] if options is None else options(*args)
             if extra is not None:
-                y = torch_call(entry, args[:n], extra)
+                y = custom_ops.torch_call(entry, args[:n], extra)
                 if y is not None:
                     return y
         return getattr(DIRECT, name)(*args)
