@@ -115,6 +115,23 @@ bool streaming(int64_t out_bytes) {
   return threshold > 0 && out_bytes >= threshold;
 }
 
+// Note [streaming stores and compute]
+// A streaming store pays when the output's lines come quickly: row ops
+// (norms, softmax) write a row's output in one light pass from cache. A
+// single-pass elementwise op that computes a lot per output line (an
+// activation, a gated unit or their backward on 16-bit data, where a line
+// holds 32 elements; gelu in any dtype) writes a line only every few dozen
+// cycles, and there streaming made it up to 2x slower. Measured, Xeon
+// (AVX-512), [8192, 8192], 2 threads, ms with / without streaming stores:
+// bf16 silu 41.1 / 21.6, gelu 44.0 / 22.2, swiglu 46.6 / 21.5, silu_backward
+// 37.2 / 19.5; fp32 gelu (tanh) 43.4 / 27.0, gelu_backward 76.0 / 46.7; but
+// fp32 swiglu 27.7 / 31.9, geglu 28.4 / 32.0, silu_backward 28.0 / 31.7,
+// silu 23.8 / 25.2 and softmax 21.6 / 31.1 gain from it. So elementwise ops
+// stream only for fp32 outputs: of a gated unit, or of silu (activation id 0).
+bool elementwise_streams(OpId op, DType out, int64_t activation) {
+  return out == DType::Float32 && (op == OpId::glu || activation == 0);
+}
+
 }  // namespace
 
 int64_t stream_threshold_bytes() {
@@ -185,7 +202,7 @@ int64_t out_bytes(const to_tensor& t) { return t.shape[0] * t.shape[1] * int64_t
 to_status run_silu(const to_op_call* c) {
   const IsaKernels* k = level().load();
   const DType dt = dt_of(c->inputs[0]);
-  const bool nt = streaming(out_bytes(c->outputs[0]));
+  const bool nt = streaming(out_bytes(c->outputs[0])) && elementwise_streams(OpId::silu, dt, 0);
   return run_unary(c, [&](const void* x, void* y, int64_t n) { k->silu(dt, x, y, n, nt); });
 }
 
@@ -193,7 +210,7 @@ to_status run_gelu(const to_op_call* c) {
   const IsaKernels* k = level().load();
   const DType dt = dt_of(c->inputs[0]);
   const int64_t mode = c->ints[0];
-  const bool nt = streaming(out_bytes(c->outputs[0]));
+  const bool nt = streaming(out_bytes(c->outputs[0])) && elementwise_streams(OpId::gelu, dt, 1);
   return run_unary(c, [&](const void* x, void* y, int64_t n) { k->gelu(dt, x, y, n, mode, nt); });
 }
 
@@ -293,9 +310,11 @@ to_status run_items(const to_op_call* call) {
   if (op == OpId::activation_backward || op == OpId::glu || op == OpId::glu_backward) c.ints[3] = all_flat(&c);
   // Streaming stores for the ops whose kernels honour ints[7] (vmapx).
   const to_tensor& big = op == OpId::cross_entropy ? c.outputs[1] : c.outputs[0];
-  c.ints[7] = (op == OpId::add_rms_norm || op == OpId::softmax || op == OpId::glu || op == OpId::layer_norm ||
-               op == OpId::activation_backward || (op == OpId::cross_entropy && c.ints[1])) &&
-              big.data && streaming(big.shape[0] * big.shape[1] * int64_t(dtype_size(dt_of(big))));
+  const bool elementwise = op == OpId::glu || op == OpId::activation_backward;
+  c.ints[7] = (op == OpId::add_rms_norm || op == OpId::softmax || op == OpId::layer_norm || elementwise ||
+               (op == OpId::cross_entropy && c.ints[1])) &&
+              big.data && streaming(big.shape[0] * big.shape[1] * int64_t(dtype_size(dt_of(big)))) &&
+              (!elementwise || elementwise_streams(op, dt_of(big), c.ints[0]));
   const IsaKernels* k = level().load();
   if (op == OpId::attention_backward && fused_attention_backward(c)) {
     c.ints[6] = 2;
