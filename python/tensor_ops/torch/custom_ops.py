@@ -75,7 +75,8 @@ def _attention_options(q, k, v, causal, scale, causal_alignment):
 # arguments (None: the options pass as they are; a function of all the
 # arguments, returning None for options the public op must check or
 # convert). What the binding does not take as it is (a strided view, a large
-# output, mixed dtypes, a bad option, the XLA shim selected) goes the way it
+# output, mixed dtypes, a bad option, the XLA shim selected; device tensors
+# are not tried: the binding makes host outputs only) goes the way it
 # went before: the plain kernel (DIRECT), through the public op. Measured per
 # call, fp32, 1 thread (Xeon, best of 7 x 20000): silu [1, 4096] 5.2 -> 3.6
 # us (the public op 3.4, the binding alone 3.0, F.silu 2.3-2.8); layer_norm
@@ -119,7 +120,7 @@ def _direct_first(impl, lowered):
     def kernel(*args, **kwargs):
         # The dispatcher hands on the arguments as the caller gave them
         # (defaults left out): the lane takes a call with every one given.
-        if len(args) == arity and not kwargs and type(args[0]) is Tensor:
+        if len(args) == arity and not kwargs and type(args[0]) is Tensor and args[0].is_cpu:
             extra = args[n:] if options is None else options(*args)
             if extra is not None:
                 y = torch_call(entry, args[:n], extra)

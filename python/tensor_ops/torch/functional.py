@@ -33,7 +33,7 @@ def _run(name: str, *args):
                 if isinstance(a, _Tensor) and a.requires_grad:
                     return function.apply(*args)
         lowered = LOWERED.get(name)
-        if lowered is not None:
+        if lowered is not None and args[0].is_cpu:
             entry, n, options = lowered
             extra = args[n:] if options is None else options(*args)
             if extra is not None:
