@@ -205,7 +205,7 @@ TENSOR_OPS_VEC_INLINE vf widen(vh h) {
 // the instruction when there is none (always, in practice), the
 // integer path otherwise: the same bits at every level (test_bf16_rounding,
 // all 2^16 patterns and random fp32, subnormals included). Measured, 1 thread
-// [32, 4096]: silu 53.4 -> 43.2 us, gelu 62.8 -> 53.0 us (fp16: 37, 48).
+// [32, 4096]: silu 53.4 -> 45 us, gelu 62.8 -> 51-53 us (fp16: 41, 46).
 template <DType D>
 TENSOR_OPS_VEC_INLINE vh narrow(vf v) {
   if constexpr (D == DType::BFloat16) {

@@ -109,23 +109,31 @@ LOWERED = {
 _LIB = torch.library.Library("tensor_ops", "DEF")
 
 
+def direct_lane(lowered, args):
+    """The direct lane (Note [direct lane]) of the op LOWERED maps to
+    `lowered`, on its arguments `args` (every one given, args[0] a plain
+    tensor): the output(s), or None for a call the lane does not take."""
+    if not args[0].is_cpu:
+        return None
+    entry, n, options = lowered
+    extra = args[n:] if options is None else options(*args)
+    return None if extra is None else torch_call(entry, args[:n], extra)
+
+
 def _direct_first(impl, lowered):
-    """The registered kernel of an op: its direct lane (Note [direct lane])
-    for plain tensors, impl for the rest (and for what the lane hands back)."""
+    """The registered kernel of an op: its direct lane for plain tensors,
+    impl for the rest (and for what the lane hands back)."""
     if lowered is None:
         return impl
-    entry, n, options = lowered
     arity = len(inspect.signature(impl).parameters)
 
     def kernel(*args, **kwargs):
         # The dispatcher hands on the arguments as the caller gave them
         # (defaults left out): the lane takes a call with every one given.
-        if len(args) == arity and not kwargs and type(args[0]) is Tensor and args[0].is_cpu:
-            extra = args[n:] if options is None else options(*args)
-            if extra is not None:
-                y = torch_call(entry, args[:n], extra)
-                if y is not None:
-                    return y
+        if len(args) == arity and not kwargs and type(args[0]) is Tensor:
+            y = direct_lane(lowered, args)
+            if y is not None:
+                return y
         return impl(*args, **kwargs)
 
     return functools.wraps(impl)(kernel)

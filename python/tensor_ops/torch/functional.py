@@ -7,8 +7,7 @@ from typing import Optional
 
 import torch
 
-from . import custom_ops
-from .custom_ops import DIRECT, FUNCTIONS, LOWERED, OPS
+from .custom_ops import DIRECT, FUNCTIONS, LOWERED, OPS, direct_lane
 
 # Plain tensors in eager mode take the autograd.Function (or, with no
 # gradient to record, the kernel itself); tests turn this off to drive the
@@ -33,13 +32,10 @@ def _run(name: str, *args):
                 if isinstance(a, _Tensor) and a.requires_grad:
                     return function.apply(*args)
         lowered = LOWERED.get(name)
-        if lowered is not None and args[0].is_cpu:
-            entry, n, options = lowered
-            extra = args[n:] if options is None else options(*args)
-            if extra is not None:
-                y = custom_ops.torch_call(entry, args[:n], extra)
-                if y is not None:
-                    return y
+        if lowered is not None:
+            y = direct_lane(lowered, args)
+            if y is not None:
+                return y
         return getattr(DIRECT, name)(*args)
     return OPS[name](*args)
 
