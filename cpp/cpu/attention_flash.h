@@ -4,8 +4,9 @@
 // Note [flash attention on the CPU]
 // Work is tiled: a tile of query rows against tiles of keys, with both
 // products (S = Q K^T and O += P V, and the backward's four) done by one
-// register-blocked micro-kernel on fp32 tiles: kMR rows x 16 lanes of C held
-// in registers while the shared dimension streams through (BLIS' shape).
+// register-blocked micro-kernel on fp32 tiles: MR rows x 16-48 lanes of C
+// held in registers while the shared dimension streams through (BLIS' shape;
+// Note [attention micro-kernel shapes]).
 // Query rows are packed by key-value head: a tile holds consecutive query
 // positions for every query head of the group (row r: position r / G, head
 // r % G), so grouped-query attention reads each K/V tile once for the whole
@@ -23,7 +24,7 @@
 
 constexpr int kNL = int(kAttnLanes);  // lanes in one column block of the micro-kernel
 constexpr int kNV = kNL / kVW;         // vectors per column block
-constexpr int kMR = 6;                 // rows per micro-kernel call
+constexpr int kMR = 6;                 // rows per micro-kernel call (the kNL-lane block)
 static_assert(kAttnRows % kMR == 0 && kAttnRows % kNL == 0 && kAttnKeys % kNL == 0, "tile sizes");
 
 // *p in every lane, as one broadcast load (splat's `vf{} + x` costs an add
@@ -40,55 +41,102 @@ TENSOR_OPS_VEC_INLINE vf bcast(const float* p) {
 #endif
 }
 
-// C[MR][16] = (acc ? C : 0) + A[MR][K] B[K][16]; A's element (r, k) at
-// A[r * lda + k * ak] (Strided; else ak = 1: row-major). lda = 1 reads a
-// transposed, packed tile. The row-major form keeps its own indexing: the
-// decode forward (S = Q K^T, 4 rows) ran ~20% slower through the strided one.
-template <int MR, bool Strided>
+// C[MR][NV vectors] = (acc ? C : 0) + A[MR][K] B[K][NV vectors]; A's element
+// (r, k) at A[r * lda + k * ak] (Strided; else ak = 1: row-major). lda = 1
+// reads a transposed, packed tile. The row-major form keeps its own indexing:
+// the decode forward (S = Q K^T, 4 rows) ran ~20% slower through the strided
+// one. Each element of C is one multiply-add chain over k in order, whatever
+// MR and NV are: the blocking never changes a bit.
+template <int MR, int NV, bool Strided>
 TENSOR_OPS_VEC_INLINE void attn_micro(int64_t K, const float* A, int64_t lda, int64_t ak, const float* B, int64_t ldb,
                                       float* C, int64_t ldc, bool acc) {
   // Every loop but k unrolled by pragma: without it GCC kept c[][] on the
   // stack and stored all of it back on every k.
-  vf c[MR][kNV];
-#pragma GCC unroll 8
+  vf c[MR][NV];
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < kNV; ++v) c[r][v] = acc ? vload(C + r * ldc + v * kVW) : vf{};
+    for (int v = 0; v < NV; ++v) c[r][v] = acc ? vload(C + r * ldc + v * kVW) : vf{};
+  static_assert(NV >= 1 && NV <= 4, "up to four vectors of B");
   for (int64_t k = 0; k < K; ++k) {
-    vf b[kNV];
-#pragma GCC unroll 4
-    for (int v = 0; v < kNV; ++v) b[v] = vload(B + k * ldb + v * kVW);
-#pragma GCC unroll 8
+    // B's vectors as named values, not an array: GCC left a `vf b[NV]` in
+    // memory (stored, then every FMA reading it back from the stack).
+    const float* bk = B + k * ldb;
+    const vf b0 = vload(bk), b1 = NV > 1 ? vload(bk + kVW) : b0, b2 = NV > 2 ? vload(bk + 2 * kVW) : b0,
+             b3 = NV > 3 ? vload(bk + 3 * kVW) : b0;
+#pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const vf a = bcast(A + r * lda + (Strided ? k * ak : k));
-#pragma GCC unroll 4
-      for (int v = 0; v < kNV; ++v) c[r][v] += a * b[v];
+      c[r][0] += a * b0;
+      if constexpr (NV > 1) c[r][1] += a * b1;
+      if constexpr (NV > 2) c[r][2] += a * b2;
+      if constexpr (NV > 3) c[r][3] += a * b3;
     }
   }
-#pragma GCC unroll 8
+  // C's row addresses made again here: GCC kept the MR loads' addresses
+  // live through the k loop for these stores, parked in vector registers,
+  // and then had no register left for B (read from the stack on every FMA).
+  float* Cs = C;
+  asm("" : "+r"(Cs));
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < kNV; ++v) vstore(C + r * ldc + v * kVW, c[r][v]);
+    for (int v = 0; v < NV; ++v) vstore(Cs + r * ldc + v * kVW, c[r][v]);
+}
+
+// Note [attention micro-kernel shapes]
+// The micro-kernel's MR x NV accumulators must cover the FMA latency (2
+// FMAs a cycle x 4 cycles: >= 8 independent chains) and its loads (NV + MR
+// a k step: one per B vector, one broadcast per row) must stay under its
+// FMAs (MR x NV), two loads a cycle. With 16 lanes as one AVX2 block
+// (NV = 2, MR = 6: 12 chains, 8 loads per 12 FMAs) both hold. On AVX-512
+// the same 16 lanes are one vector: 6 chains and 7 loads per 6 FMAs, and
+// the fp32 forward reached 57-63% of torch.mm's peak (torch's SDPA ~84%).
+// So AVX-512 takes the columns 48 at a time (NV = 3, MR = 6: 18 chains, 9
+// loads per 18 FMAs) or 32 (NV = 2, MR = 8: 16 chains, 10 loads), picked to
+// divide N (S^T's 48 packed rows, head dims 64 / 128, 64-key tiles). Larger
+// blocks (8 x 3, 12 x 2: 24 chains) ran slower: GCC ran out of general
+// registers for the row addresses, parked them in vector registers and
+// read B from the stack on every FMA. 1 thread, fp32, % of torch.mm's peak
+// in the same run, forward / forward+backward: [1, 32/8, 1024, 128] 63% /
+// 64% -> 88% / 88% (non-causal), 57% / 59% -> 79% / 79% (causal).
+template <int NV, int MR, bool Strided>
+inline void attn_gemm_cols(int64_t M, int64_t K, const float* A, int64_t lda, int64_t ak, const float* B,
+                           int64_t ldb, float* C, int64_t ldc, bool acc) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR)
+    attn_micro<MR, NV, Strided>(K, A + m * lda, lda, ak, B, ldb, C + m * ldc, ldc, acc);
+  // the last M % MR rows in blocks of 8, 4, 2, 1 (fewer instantiations than one per count)
+  auto part = [&](auto rows) {
+    constexpr int P = decltype(rows)::value;
+    if constexpr (P < MR) {
+      if (M - m >= P) {
+        attn_micro<P, NV, Strided>(K, A + m * lda, lda, ak, B, ldb, C + m * ldc, ldc, acc);
+        m += P;
+      }
+    }
+  };
+  part(std::integral_constant<int, 8>{});
+  part(std::integral_constant<int, 4>{});
+  part(std::integral_constant<int, 2>{});
+  part(std::integral_constant<int, 1>{});
 }
 
 template <bool Strided>
 inline void attn_gemm_t(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, int64_t ak, const float* B,
                         int64_t ldb, float* C, int64_t ldc, bool acc) {
-  for (int64_t n = 0; n < N; n += kNL) {
-    int64_t m = 0;
-    for (; m + kMR <= M; m += kMR)
-      attn_micro<kMR, Strided>(K, A + m * lda, lda, ak, B + n, ldb, C + m * ldc + n, ldc, acc);
-    const float* a = A + m * lda;
-    float* c = C + m * ldc + n;
-    switch (M - m) {
-      case 5: attn_micro<5, Strided>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
-      case 4: attn_micro<4, Strided>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
-      case 3: attn_micro<3, Strided>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
-      case 2: attn_micro<2, Strided>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
-      case 1: attn_micro<1, Strided>(K, a, lda, ak, B + n, ldb, c, ldc, acc); break;
-      default: break;
-    }
-  }
+#if defined(__AVX512F__)
+  static_assert(kVW == kNL, "one vector per 16-lane block");
+  // whole blocks of 48 or of 32 when either divides N, else 48s then the rest
+  const int64_t w = N % 48 == 0 ? 48 : N % 32 == 0 ? 32 : 48;
+  int64_t n = 0;
+  if (w == 48)
+    for (; n + 48 <= N; n += 48) attn_gemm_cols<3, 6, Strided>(M, K, A, lda, ak, B + n, ldb, C + n, ldc, acc);
+  for (; n + 32 <= N; n += 32) attn_gemm_cols<2, 8, Strided>(M, K, A, lda, ak, B + n, ldb, C + n, ldc, acc);
+  for (; n < N; n += 16) attn_gemm_cols<1, 8, Strided>(M, K, A, lda, ak, B + n, ldb, C + n, ldc, acc);
+#else
+  for (int64_t n = 0; n < N; n += kNL) attn_gemm_cols<kNV, kMR, Strided>(M, K, A, lda, ak, B + n, ldb, C + n, ldc, acc);
+#endif
 }
 
 // C[M][N] = (acc ? C : 0) + A[M][K] B[K][N] on fp32 tiles; N a multiple of
