@@ -222,8 +222,11 @@ def test_prepared_linear_runs_our_kernel_for_a_few_rows_only(dtype, monkeypatch)
     rows = []
     real = tensor_ops.linear
     monkeypatch.setattr(tensor_ops, "linear", lambda x, w, b: rows.append(x.numel() // x.shape[-1]) or real(x, w, b))
+    m = modules.linear_max_rows(tdt)  # 16, or 4 for a half dtype torch multiplies natively here
+    assert m == (modules.LINEAR_MAX_ROWS_NATIVE_HALF if tdt != torch.float32 and not modules.half_gemm_in_fp32(tdt)
+                 else modules.LINEAR_MAX_ROWS)
     with torch.no_grad():
-        for shape, n in [((1, 33), 1), ((2, 1, 33), 2), ((16, 33), 16), ((4, 4, 33), modules.LINEAR_MAX_ROWS)]:
+        for shape, n in [((1, 33), 1), ((2, 1, 33), 2), ((m, 33), m), ((2, m // 2, 33), m)]:
             rows.clear()
             x = torch.randn(shape).to(tdt)
             h = model[0](x)
@@ -232,7 +235,7 @@ def test_prepared_linear_runs_our_kernel_for_a_few_rows_only(dtype, monkeypatch)
             rows.clear()
             assert model(x).shape == (*shape[:-1], 20) and rows == [n, n]
         rows.clear()
-        x = torch.randn(17, 33).to(tdt)  # 17 rows: torch's GEMM
+        x = torch.randn(m + 1, 33).to(tdt)  # one row more: torch's GEMM
         assert torch.equal(model(x), ref_model(x)) and rows == []
     x = torch.randn(2, 33).to(tdt)
     y = model(x)  # the weights require grad: F.linear, recorded by autograd

@@ -22,13 +22,13 @@ from torch import nn
 import tensor_ops as _to
 
 from . import functional as ops
-from .modules import LINEAR_MAX_ROWS, _widened_gemm, half_mm, linear_rows, widens
+from .modules import _widened_gemm, half_mm, linear_max_rows, linear_rows, widens
 
 _log = logging.getLogger("tensor_ops")
 
 
 def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
-    if x2.shape[0] <= LINEAR_MAX_ROWS:
+    if x2.shape[0] <= linear_max_rows(x2.dtype):
         # A few rows (decode): our linear kernel where it applies (linear_rows:
         # no gradient to record, plain CPU tensors), on the weight as stored:
         # a Conv1D's [in, out] weight arrives as its transposed view.
