@@ -469,7 +469,7 @@ int cross_entropy_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
     const char* next = r + 1 < r1 ? row_of<D>(lg, r + 1) : nullptr;
     const bool keep_e = grad && !softcap;
     const double sum = vsum(C, [&](int64_t i, auto a) {
-      if (next) prefetch(next + i * item);
+      if (next) prefetch_l2(next + i * item);
       const vf e = exp_nonpos_t(z(i, a) - m);
       if (keep_e) a.st(v + i, e);
       return e;
