@@ -81,7 +81,6 @@ LINEAR_MAX_ROWS = 16
 # oneDNN's: 1 row 0.62x, 4 rows 0.86x, 5 rows 1.6x, 8 rows 2.3x, 16 rows 4.1x
 # (our kernel widens each weight element once per group of four rows).
 LINEAR_MAX_ROWS_NATIVE_HALF = 4
-_MAX_ROWS: dict = {}
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
@@ -99,12 +98,10 @@ def fp32_kn_ours() -> bool:
 def linear_max_rows(dtype: torch.dtype) -> int:
     """The most rows of input a Linear call may have to run our kernel
     (LINEAR_MAX_ROWS, or LINEAR_MAX_ROWS_NATIVE_HALF for a 16-bit dtype
-    torch multiplies natively on this CPU); decided once per dtype."""
-    r = _MAX_ROWS.get(dtype)
-    if r is None:
-        native_half = dtype in _HALF and not half_gemm_in_fp32(dtype)
-        r = _MAX_ROWS[dtype] = LINEAR_MAX_ROWS_NATIVE_HALF if native_half else LINEAR_MAX_ROWS
-    return r
+    torch multiplies natively on this CPU: half_gemm_in_fp32's policy)."""
+    if dtype in _HALF and not half_gemm_in_fp32(dtype):
+        return LINEAR_MAX_ROWS_NATIVE_HALF
+    return LINEAR_MAX_ROWS
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
