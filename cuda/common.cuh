@@ -71,7 +71,7 @@ inline T* element0(const to_tensor& t) {
   return reinterpret_cast<T*>(static_cast<char*>(t.data) + t.byte_offset);
 }
 
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+__host__ __device__ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Block sizes are multiples of 64 so that they hold whole warps on every
 // target: 32-wide NVIDIA warps, wave32 (RDNA) and wave64 (CDNA) on AMD.
@@ -113,6 +113,31 @@ inline bool rows_aligned16(std::initializer_list<const to_tensor*> views, size_t
     if (t->shape[0] > 1 && t->strides[0] % chunk != 0) return false;
   }
   return true;
+}
+
+// Whether every row of the views starts at the same offset from a 16-byte
+// boundary as the first view's row (Note [Row head and tail]): element 0 of
+// each at the same offset, a whole number of elements, and row strides that
+// differ by a multiple of 16 bytes (when there is more than one row). Absent
+// optional views (data == NULL) pass.
+inline bool rows_same_offset16(const to_tensor* const* views, size_t count, size_t item) {
+  const to_tensor* first = nullptr;
+  for (size_t i = 0; i < count; ++i) {
+    const to_tensor* t = views[i];
+    if (!t->data) continue;
+    const uintptr_t offset = reinterpret_cast<uintptr_t>(element0<const char>(*t)) % 16;
+    if (offset % item != 0) return false;
+    if (!first) {
+      first = t;
+      continue;
+    }
+    if (offset != reinterpret_cast<uintptr_t>(element0<const char>(*first)) % 16) return false;
+    if (t->shape[0] > 1 && (t->strides[0] - first->strides[0]) * int64_t(item) % 16 != 0) return false;
+  }
+  return true;
+}
+inline bool rows_same_offset16(std::initializer_list<const to_tensor*> views, size_t item) {
+  return rows_same_offset16(views.begin(), views.size(), item);
 }
 
 // Runs f(std::integral_constant<int, V>{}) with V = 16 / sizeof(T) (16-byte
@@ -267,20 +292,76 @@ __device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) {
 }
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// N elements at p + e, as fp32, and back: one access of N * sizeof(T) bytes
+// (p + e on that boundary; N = 16 / sizeof(T): 16-byte accesses).
+template <class T, int N>
+__device__ __forceinline__ void load_at(const T* p, int64_t e, float (&out)[N]) {
+  const Vec<T, N> c = *reinterpret_cast<const Vec<T, N>*>(p + e);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = to_f32(c.v[k]);
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store_at(T* p, int64_t e, const float (&in)[N]) {
+  Vec<T, N> c;
+#pragma unroll
+  for (int k = 0; k < N; ++k) c.v[k] = from_f32<T>(in[k]);
+  *reinterpret_cast<Vec<T, N>*>(p + e) = c;
+}
+
 // Chunk i (V elements) of a row, as fp32, and back.
 template <class T, int V>
 __device__ __forceinline__ void load_chunk(const T* row, int64_t i, float (&out)[V]) {
-  const Vec<T, V> c = reinterpret_cast<const Vec<T, V>*>(row)[i];
-#pragma unroll
-  for (int k = 0; k < V; ++k) out[k] = to_f32(c.v[k]);
+  load_at(row, i * V, out);
 }
 
 template <class T, int V>
 __device__ __forceinline__ void store_chunk(T* row, int64_t i, const float (&in)[V]) {
-  Vec<T, V> c;
+  store_at(row, i * V, in);
+}
+
+// A vector indexed by column (a norm's weight or bias): N elements at p + e
+// in one access where vec (Note [Row head and tail]), else one at a time.
+template <class T, int N>
+__device__ __forceinline__ void load_column(const T* p, int64_t e, bool vec, float (&out)[N]) {
+  if (N == 1 || vec) {
+    load_at(p, e, out);
+  } else {
 #pragma unroll
-  for (int k = 0; k < V; ++k) c.v[k] = from_f32<T>(in[k]);
-  reinterpret_cast<Vec<T, V>*>(row)[i] = c;
+    for (int k = 0; k < N; ++k) out[k] = to_f32(p[e + k]);
+  }
+}
+
+// The element count of a register part that for_chunks hands to f (float[N]).
+template <class A>
+constexpr int kWidth = int(std::extent<std::remove_reference_t<A>>::value);
+
+// Note [Row head and tail]: a row is split at its own first 16-byte
+// boundary: `head` single elements before it, `chunks` 16-byte chunks of V
+// elements, `tail` single elements after them (head, tail < V; V == 1:
+// all chunks). A row that does not start on a boundary (contiguous bf16 rows
+// of vocab 50257, fp32 rows of 4095) thus still moves all but 2 (V - 1)
+// elements in 16-byte accesses, where it used to take the one-element path
+// for the whole row (2-byte accesses, and a register limit of a quarter or an
+// eighth of the elements). The views of one call share each row's split
+// (rows_same_offset16 on the host; views that do not keep V = 1). A weight or
+// bias indexed by column has one offset for every row, so it meets the row's
+// boundary on some rows and not on others: on a row where w + head is on a
+// boundary it is read in 16-byte chunks, elsewhere one element at a time
+// (load_column). That keeps the 16-byte path for every row of x and y, which
+// are rows x cols, where requiring the weight's offset too would leave most
+// rows of an odd width on the scalar path; the weight's scalar reads are
+// cols elements per row, hits in L1 / L2 after the first row.
+struct RowSplit {
+  int64_t head, chunks, tail;
+};
+
+template <class T, int V>
+__device__ __forceinline__ RowSplit split_row(const T* row, int64_t cols) {
+  const int64_t head =
+      V == 1 ? 0 : min64(cols, int64_t((16 - reinterpret_cast<uintptr_t>(row) % 16) % 16 / sizeof(T)));
+  const int64_t chunks = (cols - head) / V;
+  return {head, chunks, cols - head - chunks * V};
 }
 
 // The row kernels (norms, softmax, cross-entropy) keep a row of up to
@@ -291,26 +372,64 @@ __device__ __forceinline__ void store_chunk(T* row, int64_t i, const float (&in)
 template <class T>
 constexpr int kRowChunks = sizeof(T) == 4 ? 4 : 2;
 
-// Runs f(i, chunk) over this thread's chunks of a row: from the registers a
-// (loading them first when load), or streaming each from row.
-template <class T, int V, class F>
-__device__ __forceinline__ void for_chunks(bool in_registers, bool load, const T* row, int64_t chunks,
-                                           float (&a)[kRowChunks<T>][V], F&& f) {
+// One thread's registers for M rows split alike (softmax's backward holds dy
+// and y): its chunks, and head / tail element threadIdx.x of each row.
+template <class T, int V, int M = 1>
+struct RowRegs {
+  float a[kRowChunks<T>][M][V];
+  float head[M][1], tail[M][1];
+};
+
+template <class T, int V>
+__device__ __forceinline__ bool row_in_registers(const RowSplit& s) {
+  return s.chunks <= int64_t(blockDim.x) * kRowChunks<T>;
+}
+
+// f(e, part_0, ..., part_{M-1}): one float[N] per row, the elements e.. e + N - 1.
+template <int M, int N, class F>
+__device__ __forceinline__ void call_part(F& f, int64_t e, float (&p)[M][N]) {
+  static_assert(M == 1 || M == 2, "one or two rows");
+  if constexpr (M == 1)
+    f(e, p[0]);
+  else
+    f(e, p[0], p[1]);
+}
+
+// Runs f over this thread's parts of M rows split as s (head element
+// threadIdx.x, its chunks, tail element threadIdx.x): from the registers r
+// (loading them first when load), or streaming each part from the rows.
+template <class T, int V, int M, class F, class... Rows>
+__device__ __forceinline__ void for_chunks(bool in_registers, bool load, const RowSplit& s, RowRegs<T, V, M>& r,
+                                           F&& f, Rows... rows) {
+  static_assert(sizeof...(Rows) == M, "one row pointer per row held");
+  const T* const p[M] = {rows...};
+  const int64_t j = threadIdx.x;
+  const auto single = [&](int64_t e, float (&b)[M][1]) {
+    if (load || !in_registers)
+#pragma unroll
+      for (int m = 0; m < M; ++m) b[m][0] = to_f32(p[m][e]);
+    call_part(f, e, b);
+  };
+  if (j < s.head) single(j, r.head);
   if (in_registers) {
 #pragma unroll
     for (int c = 0; c < kRowChunks<T>; ++c) {
-      const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
-      if (i >= chunks) break;
-      if (load) load_chunk(row, i, a[c]);
-      f(i, a[c]);
+      const int64_t i = j + int64_t(c) * blockDim.x;
+      if (i >= s.chunks) break;
+      if (load)
+#pragma unroll
+        for (int m = 0; m < M; ++m) load_at(p[m], s.head + i * V, r.a[c][m]);
+      call_part(f, s.head + i * V, r.a[c]);
     }
   } else {
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float b[V];
-      load_chunk(row, i, b);
-      f(i, b);
+    for (int64_t i = j; i < s.chunks; i += blockDim.x) {
+      float b[M][V];
+#pragma unroll
+      for (int m = 0; m < M; ++m) load_at(p[m], s.head + i * V, b[m]);
+      call_part(f, s.head + i * V, b);
     }
   }
+  if (j < s.tail) single(s.head + s.chunks * V + j, r.tail);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

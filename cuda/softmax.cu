@@ -14,24 +14,24 @@ namespace {
 // y = softmax(scale * x) (log_softmax when log). causal: row r is query
 // i = r % lq of the last two dims and sees columns j < i + cols - lq + 1
 // (causal 1, bottom-right aligned) or j < i + 1 (causal 2, top-left); a row that sees nothing is 0 (log: -inf), as are
-// the masked columns. y may be x (in place): chunk i stays with one thread.
+// the masked columns. y may be x (in place): element e stays with one thread.
 template <class T, int V>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     softmax_kernel(const T* x, int64_t x_stride, T* y, int64_t y_stride, int64_t rows, int64_t cols, float scale,
                    int causal, int64_t lq, bool log) {
-  const int64_t chunks = cols / V;
-  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks<T>;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * x_stride;
     T* yr = y + r * y_stride;
+    const RowSplit sp = split_row<T, V>(xr, cols);
+    const bool in_registers = row_in_registers<T, V>(sp);
     const int64_t valid = causal ? clamp64(r % lq + (causal == 2 ? 0 : cols - lq) + 1, 0, cols) : cols;
     float m = kNegInf, s = 0.0f;
-    float a[kRowChunks<T>][V];
-    for_chunks<T, V>(in_registers, true, xr, chunks, a, [&](int64_t i, const float (&b)[V]) {
+    RowRegs<T, V> a;
+    for_chunks(in_registers, true, sp, a, [&](int64_t e, const auto& b) {
 #pragma unroll
-      for (int k = 0; k < V; ++k)
-        if (i * V + k < valid) online_add(mul_rn(b[k], scale), m, s);
-    });
+      for (int k = 0; k < kWidth<decltype(b)>; ++k)
+        if (e + k < valid) online_add(mul_rn(b[k], scale), m, s);
+    }, xr);
     float sum;
     const float row_max = block_max_sum(m, s, &sum);
     // log: v - (max + log(sum)); else exp(v - max) / sum. v = x * scale is
@@ -40,74 +40,43 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     const float shift = log ? row_max + logf(sum) : row_max;
     const float inv = 1.0f / sum;
     const float masked = log ? kNegInf : 0.0f;
-    for_chunks<T, V>(in_registers, false, xr, chunks, a, [&](int64_t i, float (&b)[V]) {
+    for_chunks(in_registers, false, sp, a, [&](int64_t e, auto& b) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
+      for (int k = 0; k < kWidth<decltype(b)>; ++k) {
         const float v = mul_rn(b[k], scale) - shift;
-        b[k] = i * V + k >= valid ? masked : (log ? v : expf(v) * inv);
+        b[k] = e + k >= valid ? masked : (log ? v : expf(v) * inv);
       }
-      store_chunk(yr, i, b);
-    });
+      store_at(yr, e, b);
+    }, xr);
   }
 }
 
 // dx = scale * (dy - exp(y) * sum(dy)) (log) or scale * y * (dy - sum(dy * y)).
-// dx may be dy or y (in place).
+// dx may be dy or y (in place). Two rows (dy and y) in registers, kRowChunks<T>
+// chunks of each.
 template <class T, int V>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     softmax_backward_kernel(const T* dy, int64_t dy_stride, const T* y, int64_t y_stride, T* dx, int64_t dx_stride,
                             int64_t rows, int64_t cols, float scale, bool log) {
-  // Two rows (dy and y) in registers, kRowChunks<T> chunks of each (the
-  // one-row for_chunks of common.cuh, twice).
-  constexpr int kChunks = kRowChunks<T>;
-  const int64_t chunks = cols / V;
-  const bool in_registers = chunks <= int64_t(blockDim.x) * kChunks;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* gr = dy + r * dy_stride;
     const T* yr = y + r * y_stride;
+    const RowSplit sp = split_row<T, V>(gr, cols);
+    const bool in_registers = row_in_registers<T, V>(sp);
+    RowRegs<T, V, 2> a;
     float part = 0.0f;
-    float g[kChunks][V], p[kChunks][V];  // when in_registers
-    if (in_registers) {
+    for_chunks(in_registers, true, sp, a, [&](int64_t, const auto& g, const auto& p) {
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
-        if (i >= chunks) break;
-        load_chunk(gr, i, g[c]);
-        load_chunk(yr, i, p[c]);
-#pragma unroll
-        for (int k = 0; k < V; ++k) part += log ? g[c][k] : g[c][k] * p[c][k];
-      }
-    } else {
-      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-        float gi[V], pi[V];
-        load_chunk(gr, i, gi);
-        load_chunk(yr, i, pi);
-#pragma unroll
-        for (int k = 0; k < V; ++k) part += log ? gi[k] : gi[k] * pi[k];
-      }
-    }
+      for (int k = 0; k < kWidth<decltype(g)>; ++k) part += log ? g[k] : g[k] * p[k];
+    }, gr, yr);
     const float s = block_sum(part);
     T* dr = dx + r * dx_stride;
-    const auto finish = [&](int64_t i, float (&gi)[V], const float (&pi)[V]) {
+    for_chunks(in_registers, false, sp, a, [&](int64_t e, auto& g, const auto& p) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) gi[k] = log ? scale * (gi[k] - expf(pi[k]) * s) : scale * pi[k] * (gi[k] - s);
-      store_chunk(dr, i, gi);
-    };
-    if (in_registers) {
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
-        if (i >= chunks) break;
-        finish(i, g[c], p[c]);
-      }
-    } else {
-      for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-        float gi[V], pi[V];
-        load_chunk(gr, i, gi);
-        load_chunk(yr, i, pi);
-        finish(i, gi, pi);
-      }
-    }
+      for (int k = 0; k < kWidth<decltype(g)>; ++k)
+        g[k] = log ? scale * (g[k] - expf(p[k]) * s) : scale * p[k] * (g[k] - s);
+      store_at(dr, e, g);
+    }, gr, yr);
   }
 }
 
@@ -137,8 +106,6 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
   // at least: the one after the write).
   __shared__ int64_t target_sh[2];
   __shared__ float logit_sh[2];
-  const int64_t chunks = cols / V;
-  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks<T>;
   int64_t it = 0;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x, ++it) {
     const int slot = int(it & 1);
@@ -151,11 +118,15 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     __syncthreads();
     const int64_t t = target_sh[slot];
     T* dr = dlogits ? dlogits + r * d_stride : nullptr;
+    const RowSplit sp = split_row<T, V>(lr, cols);
     if (t == ignore_index) {
       if (threadIdx.x == 0) loss[r] = 0.0f;
       if (dr) {
-        const float zero[V] = {};
-        for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) store_chunk(dr, i, zero);
+        const float zero[V] = {}, zero1[1] = {};
+        const int64_t j = threadIdx.x;
+        if (j < sp.head) store_at(dr, j, zero1);
+        for (int64_t i = j; i < sp.chunks; i += blockDim.x) store_at(dr, sp.head + i * V, zero);
+        if (j < sp.tail) store_at(dr, sp.head + sp.chunks * V + j, zero1);
       }
       continue;
     }
@@ -164,16 +135,17 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       continue;
     }
     const float target_logit = ce_z(logit_sh[slot], o.cap);
+    const bool in_registers = row_in_registers<T, V>(sp);
     float m = kNegInf, s = 0.0f, zs = 0.0f;
-    float a[kRowChunks<T>][V];
-    for_chunks<T, V>(in_registers, true, lr, chunks, a, [&](int64_t, const float (&b)[V]) {
+    RowRegs<T, V> a;
+    for_chunks(in_registers, true, sp, a, [&](int64_t, const auto& b) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
+      for (int k = 0; k < kWidth<decltype(b)>; ++k) {
         const float z = ce_z(b[k], o.cap);
         online_add(z, m, s);
         zs += z;
       }
-    });
+    }, lr);
     float sum;
     const float row_max = block_max_sum(m, s, &sum);
     const float mean = o.eps != 0.0f ? block_sum(zs) / float(cols) : 0.0f;
@@ -184,16 +156,16 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     if (!dr) continue;
     const float p_scale = float((1.0 + 2.0 * o.zl * lse) / sum) * grad_scale;
     const float c0 = grad_scale * o.eps / float(cols), one = (1.0f - o.eps) * grad_scale;
-    for_chunks<T, V>(in_registers, false, lr, chunks, a, [&](int64_t i, float (&b)[V]) {
+    for_chunks(in_registers, false, sp, a, [&](int64_t e, auto& b) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
+      for (int k = 0; k < kWidth<decltype(b)>; ++k) {
         const float z = ce_z(b[k], o.cap);
-        float g = expf(z - row_max) * p_scale - c0 - (i * V + k == t ? one : 0.0f);
+        float g = expf(z - row_max) * p_scale - c0 - (e + k == t ? one : 0.0f);
         if (o.cap > 0.0f) g *= 1.0f - (z / o.cap) * (z / o.cap);
         b[k] = g;
       }
-      store_chunk(dr, i, b);
-    });
+      store_at(dr, e, b);
+    }, lr);
   }
 }
 
@@ -202,7 +174,7 @@ to_status softmax_typed(const to_op_call* c, cudaStream_t stream) {
   const to_tensor &xt = c->inputs[0], &yt = c->outputs[0];
   const int64_t rows = xt.shape[0], cols = xt.shape[1];
   const int64_t lq = c->ints[2] > 0 ? c->ints[2] : 1;
-  return with_chunk<T>(rows_aligned16({&xt, &yt}, sizeof(T)), [&](auto v) {
+  return with_chunk<T>(rows_same_offset16({&xt, &yt}, sizeof(T)), [&](auto v) {
     constexpr int V = decltype(v)::value;
     softmax_kernel<T, V><<<row_blocks(rows), row_block_threads(cols / V), 0, stream>>>(
         element0<const T>(xt), xt.strides[0], element0<T>(yt), yt.strides[0], rows, cols, float(c->scalars[0]),
@@ -216,7 +188,7 @@ template <class T>
 to_status softmax_backward_typed(const to_op_call* c, cudaStream_t stream) {
   const to_tensor &gt = c->inputs[0], &yt = c->inputs[1], &dt = c->outputs[0];
   const int64_t rows = yt.shape[0], cols = yt.shape[1];
-  return with_chunk<T>(rows_aligned16({&gt, &yt, &dt}, sizeof(T)), [&](auto v) {
+  return with_chunk<T>(rows_same_offset16({&gt, &yt, &dt}, sizeof(T)), [&](auto v) {
     constexpr int V = decltype(v)::value;
     softmax_backward_kernel<T, V><<<row_blocks(rows), row_block_threads(cols / V), 0, stream>>>(
         element0<const T>(gt), gt.strides[0], element0<const T>(yt), yt.strides[0], element0<T>(dt), dt.strides[0],
@@ -234,7 +206,7 @@ to_status cross_entropy_typed(const to_op_call* c, cudaStream_t stream) {
   const int64_t rows = lt.shape[0], cols = lt.shape[1];
   T* dlogits = c->ints[1] && dt.data ? element0<T>(dt) : nullptr;
   const to_tensor* grad = dlogits ? &dt : nullptr;
-  const bool vec = rows_aligned16({&lt}, sizeof(T)) && (!grad || rows_aligned16({grad}, sizeof(T)));
+  const bool vec = grad ? rows_same_offset16({&lt, grad}, sizeof(T)) : rows_same_offset16({&lt}, sizeof(T));
   BadIndexFlag bad(BadIndex::target);
   if (to_status s = bad.arm(bad_target_message(cols, c->ints[0])); s != TO_OK) return s;
   const to_status s = with_chunk<T>(vec, [&](auto v) {
