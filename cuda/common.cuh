@@ -102,6 +102,48 @@ inline int row_block_threads(int64_t chunks) {
 // Blocks for one block per row; kernels stride over the rows past the grid.
 inline unsigned row_blocks(int64_t rows) { return unsigned(rows < kMaxGridBlocks ? rows : kMaxGridBlocks); }
 
+// Note [Rows per block]: a short row (up to kMaxGroupThreads chunks: 128
+// fp32 or 256 bf16 columns) takes a group of G threads, the least power of
+// two from kMinGroupThreads holding one chunk each, and a block of
+// kGroupBlockThreads runs kGroupBlockThreads / G rows; its sums and maxima
+// are shuffles within the group, no barrier. One block per row would leave
+// most of its 64 threads idle there (a 128-column fp32 row is 32 chunks) and
+// pay two barriers per reduction for a few elements. G >= 8 gives the head
+// and tail elements of a row (fewer than V <= 8 each, Note [Row head and
+// tail]) a thread each; G <= 32 keeps a group inside a warp on every target
+// (wave32 and wave64 included). Longer rows keep a block each (G = blockDim.x).
+constexpr int kMinGroupThreads = 8;
+constexpr int kMaxGroupThreads = 32;
+constexpr int kGroupBlockThreads = 256;
+constexpr int kMaxRowGroups = kGroupBlockThreads / kMinGroupThreads;
+
+// The launch of a row kernel for rows of `chunks` chunks: blocks, threads a
+// block, threads a row (the kernels' `group`).
+struct RowLaunch {
+  unsigned blocks;
+  int threads, group;
+};
+inline RowLaunch row_launch(int64_t rows, int64_t chunks) {
+  if (chunks > kMaxGroupThreads) {
+    const int threads = row_block_threads(chunks);
+    return {row_blocks(rows), threads, threads};
+  }
+  int group = kMinGroupThreads;
+  while (group < chunks) group *= 2;
+  return {row_blocks(ceil_div(rows, kGroupBlockThreads / group)), kGroupBlockThreads, group};
+}
+
+// Runs f(std::bool_constant<Grouped>{}): Grouped when the launch l runs
+// several rows a block. The two are separate kernels: a grouped row holds
+// one chunk a thread and reduces by shuffles only, which keeps the
+// block-per-row kernel's registers as they were (one kernel serving both
+// spilled 12-108 bytes under the 1024-thread bound).
+template <class F>
+to_status with_grouping(const RowLaunch& l, F&& f) {
+  if (l.group < l.threads) return f(std::true_type{});
+  return f(std::false_type{});
+}
+
 // Whether the row kernels may move 16-byte chunks: every view's element 0 and
 // row stride (when there is more than one row) on 16-byte boundaries and cols
 // a whole number of chunks. Absent optional views (data == NULL) pass.
@@ -353,15 +395,16 @@ constexpr int kWidth = int(std::extent<std::remove_reference_t<A>>::value);
 // rows of an odd width on the scalar path; the weight's scalar reads are
 // cols elements per row, hits in L1 / L2 after the first row.
 struct RowSplit {
-  int64_t head, chunks, tail;
+  int head;
+  int64_t chunks;
+  int tail;
 };
 
 template <class T, int V>
 __device__ __forceinline__ RowSplit split_row(const T* row, int64_t cols) {
-  const int64_t head =
-      V == 1 ? 0 : min64(cols, int64_t((16 - reinterpret_cast<uintptr_t>(row) % 16) % 16 / sizeof(T)));
+  const int head = V == 1 ? 0 : int(min64(cols, int64_t((16 - reinterpret_cast<uintptr_t>(row) % 16) % 16 / sizeof(T))));
   const int64_t chunks = (cols - head) / V;
-  return {head, chunks, cols - head - chunks * V};
+  return {head, chunks, int(cols - head - chunks * V)};
 }
 
 // The row kernels (norms, softmax, cross-entropy) keep a row of up to
@@ -372,17 +415,44 @@ __device__ __forceinline__ RowSplit split_row(const T* row, int64_t cols) {
 template <class T>
 constexpr int kRowChunks = sizeof(T) == 4 ? 4 : 2;
 
+// Chunks a thread keeps: kRowChunks<T> for a block per row, 1 for a group
+// (Note [Rows per block]: a group has a thread per chunk).
+template <class T, bool Grouped>
+constexpr int kRegChunks = Grouped ? 1 : kRowChunks<T>;
+
 // One thread's registers for M rows split alike (softmax's backward holds dy
-// and y): its chunks, and head / tail element threadIdx.x of each row.
-template <class T, int V, int M = 1>
+// and y): its chunks, and head / tail element lane of each row.
+template <class T, int V, bool Grouped, int M = 1>
 struct RowRegs {
-  float a[kRowChunks<T>][M][V];
+  static constexpr int kChunks = kRegChunks<T, Grouped>;
+  float a[kChunks][M][V];
   float head[M][1], tail[M][1];
 };
 
-template <class T, int V>
-__device__ __forceinline__ bool row_in_registers(const RowSplit& s) {
-  return s.chunks <= int64_t(blockDim.x) * kRowChunks<T>;
+// The threads of one row (Note [Rows per block]): this thread's lane in
+// its row's group, the group's size, its index in the block, groups a block;
+// without Grouped the block (lane threadIdx.x, one row a block).
+template <bool Grouped>
+struct RowGroup {
+  int lane, size, index, per_block;
+};
+
+template <bool Grouped>
+__device__ __forceinline__ RowGroup<Grouped> row_group(int threads) {
+  if constexpr (Grouped)
+    return {int(threadIdx.x) % threads, threads, int(threadIdx.x) / threads, int(blockDim.x) / threads};
+  else
+    return {int(threadIdx.x), int(blockDim.x), 0, 1};
+}
+
+// Whether a row fits the registers Regs (a grouped row always does: the
+// host gives a group a thread per chunk).
+template <class Regs, bool Grouped>
+__device__ __forceinline__ bool row_in_registers(const RowGroup<Grouped>& g, const RowSplit& s) {
+  if constexpr (Grouped)
+    return true;
+  else
+    return s.chunks <= int64_t(g.size) * Regs::kChunks;
 }
 
 // f(e, part_0, ..., part_{M-1}): one float[N] per row, the elements e.. e + N - 1.
@@ -396,14 +466,15 @@ __device__ __forceinline__ void call_part(F& f, int64_t e, float (&p)[M][N]) {
 }
 
 // Runs f over this thread's parts of M rows split as s (head element
-// threadIdx.x, its chunks, tail element threadIdx.x): from the registers r
-// (loading them first when load), or streaming each part from the rows.
-template <class T, int V, int M, class F, class... Rows>
-__device__ __forceinline__ void for_chunks(bool in_registers, bool load, const RowSplit& s, RowRegs<T, V, M>& r,
-                                           F&& f, Rows... rows) {
+// g.lane, chunks g.lane + c * g.size, tail element g.lane): from the
+// registers r (loading them first when load), or streaming each part from
+// the rows.
+template <class T, int V, bool Grouped, int M, class F, class... Rows>
+__device__ __forceinline__ void for_chunks(const RowGroup<Grouped>& g, bool in_registers, bool load,
+                                           const RowSplit& s, RowRegs<T, V, Grouped, M>& r, F&& f, Rows... rows) {
   static_assert(sizeof...(Rows) == M, "one row pointer per row held");
   const T* const p[M] = {rows...};
-  const int64_t j = threadIdx.x;
+  const int64_t j = g.lane;
   const auto single = [&](int64_t e, float (&b)[M][1]) {
     if (load || !in_registers)
 #pragma unroll
@@ -413,8 +484,8 @@ __device__ __forceinline__ void for_chunks(bool in_registers, bool load, const R
   if (j < s.head) single(j, r.head);
   if (in_registers) {
 #pragma unroll
-    for (int c = 0; c < kRowChunks<T>; ++c) {
-      const int64_t i = j + int64_t(c) * blockDim.x;
+    for (int c = 0; c < r.kChunks; ++c) {
+      const int64_t i = j + int64_t(c) * g.size;
       if (i >= s.chunks) break;
       if (load)
 #pragma unroll
@@ -422,7 +493,7 @@ __device__ __forceinline__ void for_chunks(bool in_registers, bool load, const R
       call_part(f, s.head + i * V, r.a[c]);
     }
   } else {
-    for (int64_t i = j; i < s.chunks; i += blockDim.x) {
+    for (int64_t i = j; i < s.chunks; i += g.size) {
       float b[M][V];
 #pragma unroll
       for (int m = 0; m < M; ++m) load_at(p[m], s.head + i * V, b[m]);
@@ -479,12 +550,38 @@ __device__ __forceinline__ float block_max(float v) {
   return total;
 }
 
+// Sum and maximum over a row's group (Note [Rows per block]), returned to
+// each of its threads: shuffles within a group of up to kMaxGroupThreads
+// (every lane of a group gets the same bits: each step adds the same two
+// values), block_sum / block_max for a block per row. Every thread of the
+// block calls them (they hold barriers or whole-warp shuffles).
+template <bool Grouped>
+__device__ __forceinline__ float group_sum(const RowGroup<Grouped>& g, float v) {
+  if constexpr (Grouped) {
+    for (int offset = g.size / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+  } else {
+    return block_sum(v);
+  }
+}
+
+template <bool Grouped>
+__device__ __forceinline__ float group_max(const RowGroup<Grouped>& g, float v) {
+  if constexpr (Grouped) {
+    for (int offset = g.size / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+  } else {
+    return block_max(v);
+  }
+}
+
 // Merges per-thread online-softmax states (max m, sum s of exp(v - m)) over
-// the block: returns the row max, *sum gets the sum of exp(v - max).
-__device__ __forceinline__ float block_max_sum(float m, float s, float* sum) {
-  const float row_max = block_max(m);
+// the row's group: returns the row max, *sum gets the sum of exp(v - max).
+template <bool Grouped>
+__device__ __forceinline__ float group_max_sum(const RowGroup<Grouped>& g, float m, float s, float* sum) {
+  const float row_max = group_max(g, m);
   // s == 0: nothing seen (m may be -inf); never exp(-inf - -inf).
-  *sum = block_sum(s == 0.0f ? 0.0f : s * expf(m - row_max));
+  *sum = group_sum(g, s == 0.0f ? 0.0f : s * expf(m - row_max));
   return row_max;
 }
 
