@@ -30,11 +30,35 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     const int64_t valid = causal ? clamp64(r % lq + (causal == 2 ? 0 : cols - lq) + 1, 0, cols) : cols;
     float m = kNegInf, s = 0.0f;
     RowRegs<T, V, Grouped> a;
-    for_chunks(g, in_registers, true, sp, a, [&](int64_t e, const auto& b) {
+    // Note [One exp per element]: softmax of a row in registers keeps
+    // exp(v - m), m this thread's own max, from the sum pass in place of x
+    // and scales it by exp(m - row max) / sum for the output: one exp per
+    // element (and one per thread) where the online pass and the output
+    // pass took two. The thread's max comes first, from its registers, so
+    // nothing is rescaled. log_softmax needs v, not its exp; a streamed row
+    // is not kept: both take the online pass and recompute.
+    const bool keep_exp = in_registers && !log;
+    if (keep_exp) {
+      for_chunks(g, true, true, sp, a, [&](int64_t e, const auto& b) {
 #pragma unroll
-      for (int k = 0; k < kWidth<decltype(b)>; ++k)
-        if (e + k < valid) online_add(mul_rn(b[k], scale), m, s);
-    }, xr);
+        for (int k = 0; k < kWidth<decltype(b)>; ++k)
+          if (e + k < valid) m = fmaxf(m, mul_rn(b[k], scale));
+      }, xr);
+      for_chunks(g, true, false, sp, a, [&](int64_t e, auto& b) {
+#pragma unroll
+        for (int k = 0; k < kWidth<decltype(b)>; ++k) {
+          const float v = mul_rn(b[k], scale);
+          b[k] = e + k < valid && v != kNegInf ? expf(v - m) : 0.0f;  // -inf adds nothing (-inf - -inf is NaN)
+          s += b[k];
+        }
+      }, xr);
+    } else {
+      for_chunks(g, in_registers, true, sp, a, [&](int64_t e, const auto& b) {
+#pragma unroll
+        for (int k = 0; k < kWidth<decltype(b)>; ++k)
+          if (e + k < valid) online_add(mul_rn(b[k], scale), m, s);
+      }, xr);
+    }
     float sum;
     const float row_max = group_max_sum(g, m, s, &sum);
     // log: v - (max + log(sum)); else exp(v - max) / sum. v = x * scale is
@@ -43,11 +67,13 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     const float shift = log ? row_max + logf(sum) : row_max;
     const float inv = 1.0f / sum;
     const float masked = log ? kNegInf : 0.0f;
+    // keep_exp: this thread's exp(v - m) to the row's (exactly 1 / sum where m is the row max).
+    const float own = keep_exp && s != 0.0f ? expf(m - row_max) * inv : 0.0f;
     for_chunks(g, in_registers, false, sp, a, [&](int64_t e, auto& b) {
 #pragma unroll
       for (int k = 0; k < kWidth<decltype(b)>; ++k) {
         const float v = mul_rn(b[k], scale) - shift;
-        b[k] = e + k >= valid ? masked : (log ? v : expf(v) * inv);
+        b[k] = e + k >= valid ? masked : (keep_exp ? b[k] * own : (log ? v : expf(v) * inv));
       }
       store_at(yr, e, b);
     }, xr);
@@ -148,14 +174,37 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     const bool in_registers = row_in_registers<RowRegs<T, V, Grouped>>(g, sp);
     float m = kNegInf, s = 0.0f, zs = 0.0f;
     RowRegs<T, V, Grouped> a;
-    for_chunks(g, in_registers, true, sp, a, [&](int64_t, const auto& b) {
+    // A row in registers keeps z (one tanh under a softcap) and, without a
+    // softcap, exp(z - m) in its place (Note [One exp per element]); with
+    // one the gradient needs z, so exp(z - max) is taken again there.
+    const bool keep_exp = in_registers && o.cap == 0.0f;
+    if (in_registers) {
+      for_chunks(g, true, true, sp, a, [&](int64_t, auto& b) {
 #pragma unroll
-      for (int k = 0; k < kWidth<decltype(b)>; ++k) {
-        const float z = ce_z(b[k], o.cap);
-        online_add(z, m, s);
-        zs += z;
-      }
-    }, lr);
+        for (int k = 0; k < kWidth<decltype(b)>; ++k) {
+          b[k] = ce_z(b[k], o.cap);
+          m = fmaxf(m, b[k]);
+          zs += b[k];
+        }
+      }, lr);
+      for_chunks(g, true, false, sp, a, [&](int64_t, auto& b) {
+#pragma unroll
+        for (int k = 0; k < kWidth<decltype(b)>; ++k) {
+          const float p = b[k] != kNegInf ? expf(b[k] - m) : 0.0f;  // -inf adds nothing (-inf - -inf is NaN)
+          s += p;
+          if (keep_exp) b[k] = p;
+        }
+      }, lr);
+    } else {
+      for_chunks(g, false, true, sp, a, [&](int64_t, const auto& b) {
+#pragma unroll
+        for (int k = 0; k < kWidth<decltype(b)>; ++k) {
+          const float z = ce_z(b[k], o.cap);
+          online_add(z, m, s);
+          zs += z;
+        }
+      }, lr);
+    }
     float sum;
     const float row_max = group_max_sum(g, m, s, &sum);
     const float mean = o.eps != 0.0f ? group_sum(g, zs) / float(cols) : 0.0f;
@@ -167,11 +216,13 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     if (!dr) continue;
     const float p_scale = float((1.0 + 2.0 * o.zl * lse) / sum) * grad_scale;
     const float c0 = grad_scale * o.eps / float(cols), one = (1.0f - o.eps) * grad_scale;
+    // keep_exp: this thread's exp(z - m) to the row's softmax times p_scale.
+    const float own = keep_exp && s != 0.0f ? expf(m - row_max) * p_scale : 0.0f;
     for_chunks(g, in_registers, false, sp, a, [&](int64_t e, auto& b) {
 #pragma unroll
       for (int k = 0; k < kWidth<decltype(b)>; ++k) {
-        const float z = ce_z(b[k], o.cap);
-        float d = expf(z - row_max) * p_scale - c0 - (e + k == t ? one : 0.0f);
+        const float z = in_registers ? b[k] : ce_z(b[k], o.cap);  // not z where keep_exp (no softcap)
+        float d = (keep_exp ? b[k] * own : expf(z - row_max) * p_scale) - c0 - (e + k == t ? one : 0.0f);
         if (o.cap > 0.0f) d *= 1.0f - (z / o.cap) * (z / o.cap);
         b[k] = d;
       }
