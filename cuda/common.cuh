@@ -503,6 +503,36 @@ __device__ __forceinline__ void for_chunks(const RowGroup<Grouped>& g, bool in_r
   if (j < s.tail) single(s.head + s.chunks * V + j, r.tail);
 }
 
+// Note [Weight once per block]: a grouped norm kernel (Note [Rows per
+// block]: up to kGroupBlockThreads / kMinGroupThreads rows a block, each
+// block's rows one pass) copies the weight / bias once into shared memory
+// as fp32 (cols <= kMaxGroupCols) and its groups read them from there
+// (column_at), so global memory sees them once per block, not once per row.
+// Shared memory is indexed by element, so rows that start anywhere (Note
+// [Row head and tail]) read it alike. A block per row keeps reading the
+// weight per row (on a GPU, L1 / L2 hits): one row a block gains nothing
+// from a copy.
+constexpr int kMaxGroupCols = (kMaxGroupThreads + 1) * 8;
+
+// Copies p[0, cols) to sh as fp32 (a grouped kernel, cols <= kMaxGroupCols); every thread calls it.
+template <class T>
+__device__ __forceinline__ void copy_columns(const T* p, int64_t cols, float* sh) {
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) sh[i] = to_f32(p[i]);
+  __syncthreads();
+}
+
+// Elements e .. e + N - 1 of a vector indexed by column: from its shared
+// copy where kept is not NULL, else read (load_column, 16-byte chunks where vec).
+template <class T, int N>
+__device__ __forceinline__ void column_at(const float* kept, const T* p, int64_t e, bool vec, float (&out)[N]) {
+  if (kept) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = kept[e + k];
+  } else {
+    load_column(p, e, vec, out);
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);

@@ -24,6 +24,9 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     rms_norm_kernel(const T* x, int64_t x_stride, const T* __restrict__ w, T* y, int64_t y_stride,
                     int64_t rows, int64_t cols, float eps, float offset, int group) {
   const RowGroup<Grouped> g = row_group<Grouped>(group);
+  __shared__ float w_sh[Grouped ? kMaxGroupCols : 1];  // Note [Weight once per block]
+  if (Grouped) copy_columns(w, cols, w_sh);
+  const float* w_kept = Grouped ? w_sh : nullptr;
   for (int64_t r0 = int64_t(blockIdx.x) * g.per_block; r0 < rows; r0 += int64_t(gridDim.x) * g.per_block) {
     const int64_t r = r0 + g.index;
     const T* xr = x + r * x_stride;
@@ -42,7 +45,7 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     for_chunks(g, in_registers, false, s, a, [&](int64_t e, auto& b) {
       constexpr int n = kWidth<decltype(b)>;
       float wv[n];
-      load_column(w, e, w_vec, wv);
+      column_at(w_kept, w, e, w_vec, wv);
 #pragma unroll
       for (int k = 0; k < n; ++k) b[k] = b[k] * scale * (wv[k] + offset);
       store_at(yr, e, b);
@@ -57,6 +60,15 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     layer_norm_kernel(const T* x, int64_t x_stride, const T* __restrict__ w, const T* __restrict__ b, T* y,
                       int64_t y_stride, int64_t rows, int64_t cols, float eps, int group) {
   const RowGroup<Grouped> g = row_group<Grouped>(group);
+  // Note [Weight once per block]
+  __shared__ float w_sh[Grouped ? kMaxGroupCols : 1];
+  __shared__ float b_sh[Grouped ? kMaxGroupCols : 1];
+  if (Grouped) {
+    copy_columns(w, cols, w_sh);
+    if (b) copy_columns(b, cols, b_sh);
+  }
+  const float* w_kept = Grouped ? w_sh : nullptr;
+  const float* b_kept = Grouped ? b_sh : nullptr;
   for (int64_t r0 = int64_t(blockIdx.x) * g.per_block; r0 < rows; r0 += int64_t(gridDim.x) * g.per_block) {
     const int64_t r = r0 + g.index;
     const T* xr = x + r * x_stride;
@@ -80,8 +92,8 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     for_chunks(g, in_registers, false, s, a, [&](int64_t e, auto& c) {
       constexpr int n = kWidth<decltype(c)>;
       float wv[n], bv[n] = {};
-      load_column(w, e, w_vec, wv);
-      if (b) load_column(b, e, b_vec, bv);
+      column_at(w_kept, w, e, w_vec, wv);
+      if (b) column_at(b_kept, b, e, b_vec, bv);
 #pragma unroll
       for (int k = 0; k < n; ++k) c[k] = (c[k] - mean) * rstd * wv[k] + bv[k];
       store_at(yr, e, c);
@@ -99,6 +111,9 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
                         T* y, int64_t y_stride, T* res_out, int64_t res_out_stride, int64_t rows, int64_t cols,
                         float eps, int group) {
   const RowGroup<Grouped> g = row_group<Grouped>(group);
+  __shared__ float w_sh[Grouped ? kMaxGroupCols : 1];  // Note [Weight once per block]
+  if (Grouped) copy_columns(w, cols, w_sh);
+  const float* w_kept = Grouped ? w_sh : nullptr;
   for (int64_t r0 = int64_t(blockIdx.x) * g.per_block; r0 < rows; r0 += int64_t(gridDim.x) * g.per_block) {
     const int64_t r = r0 + g.index;
     const T* xr = x + r * x_stride;
@@ -124,7 +139,7 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     for_chunks(g, in_registers, false, s, a, [&](int64_t e, auto& c) {
       constexpr int n = kWidth<decltype(c)>;
       float wv[n];
-      load_column(w, e, w_vec, wv);
+      column_at(w_kept, w, e, w_vec, wv);
 #pragma unroll
       for (int k = 0; k < n; ++k) c[k] = c[k] * scale * wv[k];
       store_at(yr, e, c);
