@@ -131,24 +131,31 @@ __global__ void elementwise_span_kernel(Views<T, Op> v, int64_t n, int64_t head,
 }
 
 // Rows with their own strides (gate and up as the halves of a fused
-// [N, 2H] projection, say) whose starts are all 16-byte aligned, cols a whole
-// number of chunks: 16-byte loads and stores. blockIdx.y strides over rows,
-// the x dimension over chunks.
+// [N, 2H] projection, say) whose rows start at the same offset from a
+// 16-byte boundary in every view (rows_same_offset16): per row a scalar
+// head, 16-byte chunks and a scalar tail (Note [Row head and tail]).
+// blockIdx.y strides over rows, the x dimension over chunks.
 template <class T, class Op>
 __global__ void elementwise_rows_vec_kernel(Views<T, Op> v, int64_t rows, int64_t cols, Op op) {
   constexpr int V = 16 / sizeof(T);
   const int64_t c0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t c_step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
-    for (int64_t c = c0; c < cols / V; c += c_step) {
-      const T* in[Op::kIn];
-      T* out[Op::kOut];
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const T* in[Op::kIn];
+    T* out[Op::kOut];
 #pragma unroll
-      for (int k = 0; k < Op::kIn; ++k) in[k] = v.in[k] + r * v.in_stride[k];
+    for (int k = 0; k < Op::kIn; ++k) in[k] = v.in[k] + r * v.in_stride[k];
 #pragma unroll
-      for (int k = 0; k < Op::kOut; ++k) out[k] = v.out[k] + r * v.out_stride[k];
-      apply_chunk<T, V>(in, out, op, c);
-    }
+    for (int k = 0; k < Op::kOut; ++k) out[k] = v.out[k] + r * v.out_stride[k];
+    const RowSplit s = split_row<T, V>(in[0], cols);
+    if (c0 < s.head) apply_chunk<T, 1>(in, out, op, c0);
+    if (c0 < s.tail) apply_chunk<T, 1>(in, out, op, s.head + s.chunks * V + c0);
+#pragma unroll
+    for (int k = 0; k < Op::kIn; ++k) in[k] += s.head;
+#pragma unroll
+    for (int k = 0; k < Op::kOut; ++k) out[k] += s.head;
+    for (int64_t c = c0; c < s.chunks; c += c_step) apply_chunk<T, V>(in, out, op, c);
+  }
 }
 
 // Any other layout: rows with their own strides, one element at a time.
@@ -173,21 +180,23 @@ constexpr int kThreads = 256;
 template <class T, class Op>
 to_status elementwise_typed(const to_op_call* c, cudaStream_t stream, Op op) {
   Views<T, Op> v;
+  const to_tensor* views[Op::kIn + Op::kOut];
   const int64_t rows = c->inputs[0].shape[0], cols = c->inputs[0].shape[1];
-  bool contiguous = true, same_offset = true, rows_vec = true;
+  bool contiguous = true, same_offset = true;
   const uintptr_t mis = reinterpret_cast<uintptr_t>(element0<const T>(c->inputs[0])) % 16;
   auto note = [&](const to_tensor& t, int64_t& stride) {
     stride = t.strides[0];
     contiguous = contiguous && (rows == 1 || stride == cols);
     same_offset = same_offset && reinterpret_cast<uintptr_t>(element0<const T>(t)) % 16 == mis;
-    rows_vec = rows_vec && rows_aligned16({&t}, sizeof(T));
   };
   for (int k = 0; k < Op::kIn; ++k) {
     v.in[k] = element0<const T>(c->inputs[k]);
+    views[k] = &c->inputs[k];
     note(c->inputs[k], v.in_stride[k]);
   }
   for (int k = 0; k < Op::kOut; ++k) {
     v.out[k] = element0<T>(c->outputs[k]);
+    views[Op::kIn + k] = &c->outputs[k];
     note(c->outputs[k], v.out_stride[k]);
   }
   if (contiguous && same_offset && mis % sizeof(T) == 0) {
@@ -196,8 +205,8 @@ to_status elementwise_typed(const to_op_call* c, cudaStream_t stream, Op op) {
     const int64_t head = std::min<int64_t>(n, int64_t((16 - mis) % 16 / sizeof(T)));
     const int64_t blocks = std::clamp<int64_t>(ceil_div((n - head) / V, kThreads), 1, kMaxGridBlocks);
     elementwise_span_kernel<T><<<unsigned(blocks), kThreads, 0, stream>>>(v, n, head, op);
-  } else if (rows_vec) {
-    const dim3 grid(unsigned(std::min<int64_t>(ceil_div(cols / int64_t(16 / sizeof(T)), kThreads), 64)),
+  } else if (rows_same_offset16(views, Op::kIn + Op::kOut, sizeof(T))) {
+    const dim3 grid(unsigned(std::clamp<int64_t>(ceil_div(cols / int64_t(16 / sizeof(T)), kThreads), 1, 64)),
                     unsigned(std::min<int64_t>(rows, kMaxGridBlocks)));
     elementwise_rows_vec_kernel<T><<<grid, kThreads, 0, stream>>>(v, rows, cols, op);
   } else {

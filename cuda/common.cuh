@@ -71,7 +71,7 @@ inline T* element0(const to_tensor& t) {
   return reinterpret_cast<T*>(static_cast<char*>(t.data) + t.byte_offset);
 }
 
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+__host__ __device__ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Block sizes are multiples of 64 so that they hold whole warps on every
 // target: 32-wide NVIDIA warps, wave32 (RDNA) and wave64 (CDNA) on AMD.
@@ -102,6 +102,48 @@ inline int row_block_threads(int64_t chunks) {
 // Blocks for one block per row; kernels stride over the rows past the grid.
 inline unsigned row_blocks(int64_t rows) { return unsigned(rows < kMaxGridBlocks ? rows : kMaxGridBlocks); }
 
+// Note [Rows per block]: a short row (up to kMaxGroupThreads chunks: 128
+// fp32 or 256 bf16 columns) takes a group of G threads, the least power of
+// two from kMinGroupThreads holding one chunk each, and a block of
+// kGroupBlockThreads runs kGroupBlockThreads / G rows; its sums and maxima
+// are shuffles within the group, no barrier. One block per row would leave
+// most of its 64 threads idle there (a 128-column fp32 row is 32 chunks) and
+// pay two barriers per reduction for a few elements. G >= 8 gives the head
+// and tail elements of a row (fewer than V <= 8 each, Note [Row head and
+// tail]) a thread each; G <= 32 keeps a group inside a warp on every target
+// (wave32 and wave64 included). Longer rows keep a block each (G = blockDim.x).
+constexpr int kMinGroupThreads = 8;
+constexpr int kMaxGroupThreads = 32;
+constexpr int kGroupBlockThreads = 256;
+constexpr int kMaxRowGroups = kGroupBlockThreads / kMinGroupThreads;
+
+// The launch of a row kernel for rows of `chunks` chunks: blocks, threads a
+// block, threads a row (the kernels' `group`).
+struct RowLaunch {
+  unsigned blocks;
+  int threads, group;
+};
+inline RowLaunch row_launch(int64_t rows, int64_t chunks) {
+  if (chunks > kMaxGroupThreads) {
+    const int threads = row_block_threads(chunks);
+    return {row_blocks(rows), threads, threads};
+  }
+  int group = kMinGroupThreads;
+  while (group < chunks) group *= 2;
+  return {row_blocks(ceil_div(rows, kGroupBlockThreads / group)), kGroupBlockThreads, group};
+}
+
+// Runs f(std::bool_constant<Grouped>{}): Grouped when the launch l runs
+// several rows a block. The two are separate kernels: a grouped row holds
+// one chunk a thread and reduces by shuffles only, which keeps the
+// block-per-row kernel's registers as they were (one kernel serving both
+// spilled 12-108 bytes under the 1024-thread bound).
+template <class F>
+to_status with_grouping(const RowLaunch& l, F&& f) {
+  if (l.group < l.threads) return f(std::true_type{});
+  return f(std::false_type{});
+}
+
 // Whether the row kernels may move 16-byte chunks: every view's element 0 and
 // row stride (when there is more than one row) on 16-byte boundaries and cols
 // a whole number of chunks. Absent optional views (data == NULL) pass.
@@ -113,6 +155,31 @@ inline bool rows_aligned16(std::initializer_list<const to_tensor*> views, size_t
     if (t->shape[0] > 1 && t->strides[0] % chunk != 0) return false;
   }
   return true;
+}
+
+// Whether every row of the views starts at the same offset from a 16-byte
+// boundary as the first view's row (Note [Row head and tail]): element 0 of
+// each at the same offset, a whole number of elements, and row strides that
+// differ by a multiple of 16 bytes (when there is more than one row). Absent
+// optional views (data == NULL) pass.
+inline bool rows_same_offset16(const to_tensor* const* views, size_t count, size_t item) {
+  const to_tensor* first = nullptr;
+  for (size_t i = 0; i < count; ++i) {
+    const to_tensor* t = views[i];
+    if (!t->data) continue;
+    const uintptr_t offset = reinterpret_cast<uintptr_t>(element0<const char>(*t)) % 16;
+    if (offset % item != 0) return false;
+    if (!first) {
+      first = t;
+      continue;
+    }
+    if (offset != reinterpret_cast<uintptr_t>(element0<const char>(*first)) % 16) return false;
+    if (t->shape[0] > 1 && (t->strides[0] - first->strides[0]) * int64_t(item) % 16 != 0) return false;
+  }
+  return true;
+}
+inline bool rows_same_offset16(std::initializer_list<const to_tensor*> views, size_t item) {
+  return rows_same_offset16(views.begin(), views.size(), item);
 }
 
 // Runs f(std::integral_constant<int, V>{}) with V = 16 / sizeof(T) (16-byte
@@ -267,20 +334,77 @@ __device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) {
 }
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// N elements at p + e, as fp32, and back: one access of N * sizeof(T) bytes
+// (p + e on that boundary; N = 16 / sizeof(T): 16-byte accesses).
+template <class T, int N>
+__device__ __forceinline__ void load_at(const T* p, int64_t e, float (&out)[N]) {
+  const Vec<T, N> c = *reinterpret_cast<const Vec<T, N>*>(p + e);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = to_f32(c.v[k]);
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store_at(T* p, int64_t e, const float (&in)[N]) {
+  Vec<T, N> c;
+#pragma unroll
+  for (int k = 0; k < N; ++k) c.v[k] = from_f32<T>(in[k]);
+  *reinterpret_cast<Vec<T, N>*>(p + e) = c;
+}
+
 // Chunk i (V elements) of a row, as fp32, and back.
 template <class T, int V>
 __device__ __forceinline__ void load_chunk(const T* row, int64_t i, float (&out)[V]) {
-  const Vec<T, V> c = reinterpret_cast<const Vec<T, V>*>(row)[i];
-#pragma unroll
-  for (int k = 0; k < V; ++k) out[k] = to_f32(c.v[k]);
+  load_at(row, i * V, out);
 }
 
 template <class T, int V>
 __device__ __forceinline__ void store_chunk(T* row, int64_t i, const float (&in)[V]) {
-  Vec<T, V> c;
+  store_at(row, i * V, in);
+}
+
+// A vector indexed by column (a norm's weight or bias): N elements at p + e
+// in one access where vec (Note [Row head and tail]), else one at a time.
+template <class T, int N>
+__device__ __forceinline__ void load_column(const T* p, int64_t e, bool vec, float (&out)[N]) {
+  if (N == 1 || vec) {
+    load_at(p, e, out);
+  } else {
 #pragma unroll
-  for (int k = 0; k < V; ++k) c.v[k] = from_f32<T>(in[k]);
-  reinterpret_cast<Vec<T, V>*>(row)[i] = c;
+    for (int k = 0; k < N; ++k) out[k] = to_f32(p[e + k]);
+  }
+}
+
+// The element count of a register part that for_chunks hands to f (float[N]).
+template <class A>
+constexpr int kWidth = int(std::extent<std::remove_reference_t<A>>::value);
+
+// Note [Row head and tail]: a row is split at its own first 16-byte
+// boundary: `head` single elements before it, `chunks` 16-byte chunks of V
+// elements, `tail` single elements after them (head, tail < V; V == 1:
+// all chunks). A row that does not start on a boundary (contiguous bf16 rows
+// of vocab 50257, fp32 rows of 4095) thus still moves all but 2 (V - 1)
+// elements in 16-byte accesses, where it used to take the one-element path
+// for the whole row (2-byte accesses, and a register limit of a quarter or an
+// eighth of the elements). The views of one call share each row's split
+// (rows_same_offset16 on the host; views that do not keep V = 1). A weight or
+// bias indexed by column has one offset for every row, so it meets the row's
+// boundary on some rows and not on others: on a row where w + head is on a
+// boundary it is read in 16-byte chunks, elsewhere one element at a time
+// (load_column). That keeps the 16-byte path for every row of x and y, which
+// are rows x cols, where requiring the weight's offset too would leave most
+// rows of an odd width on the scalar path; the weight's scalar reads are
+// cols elements per row, hits in L1 / L2 after the first row.
+struct RowSplit {
+  int head;
+  int64_t chunks;
+  int tail;
+};
+
+template <class T, int V>
+__device__ __forceinline__ RowSplit split_row(const T* row, int64_t cols) {
+  const int head = V == 1 ? 0 : int(min64(cols, int64_t((16 - reinterpret_cast<uintptr_t>(row) % 16) % 16 / sizeof(T))));
+  const int64_t chunks = (cols - head) / V;
+  return {head, chunks, int(cols - head - chunks * V)};
 }
 
 // The row kernels (norms, softmax, cross-entropy) keep a row of up to
@@ -291,25 +415,121 @@ __device__ __forceinline__ void store_chunk(T* row, int64_t i, const float (&in)
 template <class T>
 constexpr int kRowChunks = sizeof(T) == 4 ? 4 : 2;
 
-// Runs f(i, chunk) over this thread's chunks of a row: from the registers a
-// (loading them first when load), or streaming each from row.
-template <class T, int V, class F>
-__device__ __forceinline__ void for_chunks(bool in_registers, bool load, const T* row, int64_t chunks,
-                                           float (&a)[kRowChunks<T>][V], F&& f) {
+// Chunks a thread keeps: kRowChunks<T> for a block per row, 1 for a group
+// (Note [Rows per block]: a group has a thread per chunk).
+template <class T, bool Grouped>
+constexpr int kRegChunks = Grouped ? 1 : kRowChunks<T>;
+
+// One thread's registers for M rows split alike (softmax's backward holds dy
+// and y): its chunks, and head / tail element lane of each row.
+template <class T, int V, bool Grouped, int M = 1>
+struct RowRegs {
+  static constexpr int kChunks = kRegChunks<T, Grouped>;
+  float a[kChunks][M][V];
+  float head[M][1], tail[M][1];
+};
+
+// The threads of one row (Note [Rows per block]): this thread's lane in
+// its row's group, the group's size, its index in the block, groups a block;
+// without Grouped the block (lane threadIdx.x, one row a block).
+template <bool Grouped>
+struct RowGroup {
+  int lane, size, index, per_block;
+};
+
+template <bool Grouped>
+__device__ __forceinline__ RowGroup<Grouped> row_group(int threads) {
+  if constexpr (Grouped)
+    return {int(threadIdx.x) % threads, threads, int(threadIdx.x) / threads, int(blockDim.x) / threads};
+  else
+    return {int(threadIdx.x), int(blockDim.x), 0, 1};
+}
+
+// Whether a row fits the registers Regs (a grouped row always does: the
+// host gives a group a thread per chunk).
+template <class Regs, bool Grouped>
+__device__ __forceinline__ bool row_in_registers(const RowGroup<Grouped>& g, const RowSplit& s) {
+  if constexpr (Grouped)
+    return true;
+  else
+    return s.chunks <= int64_t(g.size) * Regs::kChunks;
+}
+
+// f(e, part_0, ..., part_{M-1}): one float[N] per row, the elements e.. e + N - 1.
+template <int M, int N, class F>
+__device__ __forceinline__ void call_part(F& f, int64_t e, float (&p)[M][N]) {
+  static_assert(M == 1 || M == 2, "one or two rows");
+  if constexpr (M == 1)
+    f(e, p[0]);
+  else
+    f(e, p[0], p[1]);
+}
+
+// Runs f over this thread's parts of M rows split as s (head element
+// g.lane, chunks g.lane + c * g.size, tail element g.lane): from the
+// registers r (loading them first when load), or streaming each part from
+// the rows.
+template <class T, int V, bool Grouped, int M, class F, class... Rows>
+__device__ __forceinline__ void for_chunks(const RowGroup<Grouped>& g, bool in_registers, bool load,
+                                           const RowSplit& s, RowRegs<T, V, Grouped, M>& r, F&& f, Rows... rows) {
+  static_assert(sizeof...(Rows) == M, "one row pointer per row held");
+  const T* const p[M] = {rows...};
+  const int64_t j = g.lane;
+  const auto single = [&](int64_t e, float (&b)[M][1]) {
+    if (load || !in_registers)
+#pragma unroll
+      for (int m = 0; m < M; ++m) b[m][0] = to_f32(p[m][e]);
+    call_part(f, e, b);
+  };
+  if (j < s.head) single(j, r.head);
   if (in_registers) {
 #pragma unroll
-    for (int c = 0; c < kRowChunks<T>; ++c) {
-      const int64_t i = threadIdx.x + int64_t(c) * blockDim.x;
-      if (i >= chunks) break;
-      if (load) load_chunk(row, i, a[c]);
-      f(i, a[c]);
+    for (int c = 0; c < r.kChunks; ++c) {
+      const int64_t i = j + int64_t(c) * g.size;
+      if (i >= s.chunks) break;
+      if (load)
+#pragma unroll
+        for (int m = 0; m < M; ++m) load_at(p[m], s.head + i * V, r.a[c][m]);
+      call_part(f, s.head + i * V, r.a[c]);
     }
   } else {
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-      float b[V];
-      load_chunk(row, i, b);
-      f(i, b);
+    for (int64_t i = j; i < s.chunks; i += g.size) {
+      float b[M][V];
+#pragma unroll
+      for (int m = 0; m < M; ++m) load_at(p[m], s.head + i * V, b[m]);
+      call_part(f, s.head + i * V, b);
     }
+  }
+  if (j < s.tail) single(s.head + s.chunks * V + j, r.tail);
+}
+
+// Note [Weight once per block]: a grouped norm kernel (Note [Rows per
+// block]: up to kGroupBlockThreads / kMinGroupThreads rows a block, each
+// block's rows one pass) copies the weight / bias once into shared memory
+// as fp32 (cols <= kMaxGroupCols) and its groups read them from there
+// (column_at), so global memory sees them once per block, not once per row.
+// Shared memory is indexed by element, so rows that start anywhere (Note
+// [Row head and tail]) read it alike. A block per row keeps reading the
+// weight per row (on a GPU, L1 / L2 hits): one row a block gains nothing
+// from a copy.
+constexpr int kMaxGroupCols = (kMaxGroupThreads + 1) * 8;
+
+// Copies p[0, cols) to sh as fp32 (a grouped kernel, cols <= kMaxGroupCols); every thread calls it.
+template <class T>
+__device__ __forceinline__ void copy_columns(const T* p, int64_t cols, float* sh) {
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) sh[i] = to_f32(p[i]);
+  __syncthreads();
+}
+
+// Elements e .. e + N - 1 of a vector indexed by column: from its shared
+// copy where kept is not NULL, else read (load_column, 16-byte chunks where vec).
+template <class T, int N>
+__device__ __forceinline__ void column_at(const float* kept, const T* p, int64_t e, bool vec, float (&out)[N]) {
+  if (kept) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = kept[e + k];
+  } else {
+    load_column(p, e, vec, out);
   }
 }
 
@@ -360,12 +580,38 @@ __device__ __forceinline__ float block_max(float v) {
   return total;
 }
 
+// Sum and maximum over a row's group (Note [Rows per block]), returned to
+// each of its threads: shuffles within a group of up to kMaxGroupThreads
+// (every lane of a group gets the same bits: each step adds the same two
+// values), block_sum / block_max for a block per row. Every thread of the
+// block calls them (they hold barriers or whole-warp shuffles).
+template <bool Grouped>
+__device__ __forceinline__ float group_sum(const RowGroup<Grouped>& g, float v) {
+  if constexpr (Grouped) {
+    for (int offset = g.size / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+  } else {
+    return block_sum(v);
+  }
+}
+
+template <bool Grouped>
+__device__ __forceinline__ float group_max(const RowGroup<Grouped>& g, float v) {
+  if constexpr (Grouped) {
+    for (int offset = g.size / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+  } else {
+    return block_max(v);
+  }
+}
+
 // Merges per-thread online-softmax states (max m, sum s of exp(v - m)) over
-// the block: returns the row max, *sum gets the sum of exp(v - max).
-__device__ __forceinline__ float block_max_sum(float m, float s, float* sum) {
-  const float row_max = block_max(m);
+// the row's group: returns the row max, *sum gets the sum of exp(v - max).
+template <bool Grouped>
+__device__ __forceinline__ float group_max_sum(const RowGroup<Grouped>& g, float m, float s, float* sum) {
+  const float row_max = group_max(g, m);
   // s == 0: nothing seen (m may be -inf); never exp(-inf - -inf).
-  *sum = block_sum(s == 0.0f ? 0.0f : s * expf(m - row_max));
+  *sum = group_sum(g, s == 0.0f ? 0.0f : s * expf(m - row_max));
   return row_max;
 }
 

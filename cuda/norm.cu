@@ -11,70 +11,93 @@ namespace {
 // rms_norm's weight is offset + w (Gemma's 1 + w), in fp32; the host passes
 // -0.0f for none: w + -0.0f is w bit for bit, a -0.0 weight included.
 //
-// Every pass over a row visits chunk i from the same thread, so an output may
-// be its input (in place): each element is read before the same thread writes
-// it, and other threads never touch it. Blocks stride over rows past the grid.
-// The row stays in registers (for_chunks, common.cuh).
-template <class T, int V>
-__global__ void __launch_bounds__(kMaxBlockThreads)
+// Every pass over a row visits element e from the same thread, so an output
+// may be its input (in place): each element is read before the same thread
+// writes it, and other threads never touch it. Blocks stride over rows past
+// the grid. The row stays in registers (for_chunks, common.cuh), split at
+// its 16-byte boundary (Note [Row head and tail]); a short row takes a group
+// of `group` threads, several rows a block (Note [Rows per block]). Rows past
+// the last (r >= rows) of the last block's groups are empty: their threads
+// still take part in the reductions.
+template <class T, int V, bool Grouped>
+__global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThreads)
     rms_norm_kernel(const T* x, int64_t x_stride, const T* __restrict__ w, T* y, int64_t y_stride,
-                    int64_t rows, int64_t cols, float eps, float offset) {
-  const int64_t chunks = cols / V;
-  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks<T>;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+                    int64_t rows, int64_t cols, float eps, float offset, int group) {
+  const RowGroup<Grouped> g = row_group<Grouped>(group);
+  __shared__ float w_sh[Grouped ? kMaxGroupCols : 1];  // Note [Weight once per block]
+  if (Grouped) copy_columns(w, cols, w_sh);
+  const float* w_kept = Grouped ? w_sh : nullptr;
+  for (int64_t r0 = int64_t(blockIdx.x) * g.per_block; r0 < rows; r0 += int64_t(gridDim.x) * g.per_block) {
+    const int64_t r = r0 + g.index;
     const T* xr = x + r * x_stride;
     T* yr = y + r * y_stride;
-    float a[kRowChunks<T>][V];
+    const RowSplit s = split_row<T, V>(xr, r < rows ? cols : 0);
+    const bool in_registers = row_in_registers<RowRegs<T, V, Grouped>>(g, s), w_vec = aligned16(w + s.head);
+    RowRegs<T, V, Grouped> a;
     float squares = 0.0f;
-    for_chunks<T, V>(in_registers, true, xr, chunks, a, [&](int64_t, const float (&b)[V]) {
+    for_chunks(g, in_registers, true, s, a, [&](int64_t, const auto& b) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) squares += b[k] * b[k];
-    });
-    const float sum = block_sum(squares);
+      for (int k = 0; k < kWidth<decltype(b)>; ++k) squares += b[k] * b[k];
+    }, xr);
+    const float sum = group_sum(g, squares);
     // One double op per row: the same rounding as the CPU backend's scale.
     const float scale = float(1.0 / sqrt(double(sum) / double(cols) + double(eps)));
-    for_chunks<T, V>(in_registers, false, xr, chunks, a, [&](int64_t i, float (&b)[V]) {
-      float wv[V];
-      load_chunk(w, i, wv);
+    for_chunks(g, in_registers, false, s, a, [&](int64_t e, auto& b) {
+      constexpr int n = kWidth<decltype(b)>;
+      float wv[n];
+      column_at(w_kept, w, e, w_vec, wv);
 #pragma unroll
-      for (int k = 0; k < V; ++k) b[k] = b[k] * scale * (wv[k] + offset);
-      store_chunk(yr, i, b);
-    });
+      for (int k = 0; k < n; ++k) b[k] = b[k] * scale * (wv[k] + offset);
+      store_at(yr, e, b);
+    }, xr);
   }
 }
 
 // Two passes for the statistics (mean, then the centred variance: no
 // cancellation), one for the output. b is NULL without a bias.
-template <class T, int V>
-__global__ void __launch_bounds__(kMaxBlockThreads)
+template <class T, int V, bool Grouped>
+__global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThreads)
     layer_norm_kernel(const T* x, int64_t x_stride, const T* __restrict__ w, const T* __restrict__ b, T* y,
-                      int64_t y_stride, int64_t rows, int64_t cols, float eps) {
-  const int64_t chunks = cols / V;
-  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks<T>;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+                      int64_t y_stride, int64_t rows, int64_t cols, float eps, int group) {
+  const RowGroup<Grouped> g = row_group<Grouped>(group);
+  // Note [Weight once per block]
+  __shared__ float w_sh[Grouped ? kMaxGroupCols : 1];
+  __shared__ float b_sh[Grouped ? kMaxGroupCols : 1];
+  if (Grouped) {
+    copy_columns(w, cols, w_sh);
+    if (b) copy_columns(b, cols, b_sh);
+  }
+  const float* w_kept = Grouped ? w_sh : nullptr;
+  const float* b_kept = Grouped ? b_sh : nullptr;
+  for (int64_t r0 = int64_t(blockIdx.x) * g.per_block; r0 < rows; r0 += int64_t(gridDim.x) * g.per_block) {
+    const int64_t r = r0 + g.index;
     const T* xr = x + r * x_stride;
     T* yr = y + r * y_stride;
-    float a[kRowChunks<T>][V];
+    const RowSplit s = split_row<T, V>(xr, r < rows ? cols : 0);
+    const bool in_registers = row_in_registers<RowRegs<T, V, Grouped>>(g, s), w_vec = aligned16(w + s.head),
+               b_vec = b && aligned16(b + s.head);
+    RowRegs<T, V, Grouped> a;
     float part = 0.0f;
-    for_chunks<T, V>(in_registers, true, xr, chunks, a, [&](int64_t, const float (&c)[V]) {
+    for_chunks(g, in_registers, true, s, a, [&](int64_t, const auto& c) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) part += c[k];
-    });
-    const float mean = float(double(block_sum(part)) / double(cols));
+      for (int k = 0; k < kWidth<decltype(c)>; ++k) part += c[k];
+    }, xr);
+    const float mean = float(double(group_sum(g, part)) / double(cols));
     part = 0.0f;
-    for_chunks<T, V>(in_registers, false, xr, chunks, a, [&](int64_t, const float (&c)[V]) {
+    for_chunks(g, in_registers, false, s, a, [&](int64_t, const auto& c) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) part += (c[k] - mean) * (c[k] - mean);
-    });
-    const float rstd = float(1.0 / sqrt(double(block_sum(part)) / double(cols) + double(eps)));
-    for_chunks<T, V>(in_registers, false, xr, chunks, a, [&](int64_t i, float (&c)[V]) {
-      float wv[V], bv[V] = {};
-      load_chunk(w, i, wv);
-      if (b) load_chunk(b, i, bv);
+      for (int k = 0; k < kWidth<decltype(c)>; ++k) part += (c[k] - mean) * (c[k] - mean);
+    }, xr);
+    const float rstd = float(1.0 / sqrt(double(group_sum(g, part)) / double(cols) + double(eps)));
+    for_chunks(g, in_registers, false, s, a, [&](int64_t e, auto& c) {
+      constexpr int n = kWidth<decltype(c)>;
+      float wv[n], bv[n] = {};
+      column_at(w_kept, w, e, w_vec, wv);
+      if (b) column_at(b_kept, b, e, b_vec, bv);
 #pragma unroll
-      for (int k = 0; k < V; ++k) c[k] = (c[k] - mean) * rstd * wv[k] + bv[k];
-      store_chunk(yr, i, c);
-    });
+      for (int k = 0; k < n; ++k) c[k] = (c[k] - mean) * rstd * wv[k] + bv[k];
+      store_at(yr, e, c);
+    }, xr);
   }
 }
 
@@ -82,38 +105,45 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
 // the rounded s (kept by the thread that stored it: in its registers, or
 // read back from residual_out for long rows). out may be x and residual_out
 // may be residual (the core allows nothing else).
-template <class T, int V>
-__global__ void __launch_bounds__(kMaxBlockThreads)
+template <class T, int V, bool Grouped>
+__global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThreads)
     add_rms_norm_kernel(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const T* __restrict__ w,
                         T* y, int64_t y_stride, T* res_out, int64_t res_out_stride, int64_t rows, int64_t cols,
-                        float eps) {
-  const int64_t chunks = cols / V;
-  const bool in_registers = chunks <= int64_t(blockDim.x) * kRowChunks<T>;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+                        float eps, int group) {
+  const RowGroup<Grouped> g = row_group<Grouped>(group);
+  __shared__ float w_sh[Grouped ? kMaxGroupCols : 1];  // Note [Weight once per block]
+  if (Grouped) copy_columns(w, cols, w_sh);
+  const float* w_kept = Grouped ? w_sh : nullptr;
+  for (int64_t r0 = int64_t(blockIdx.x) * g.per_block; r0 < rows; r0 += int64_t(gridDim.x) * g.per_block) {
+    const int64_t r = r0 + g.index;
     const T* xr = x + r * x_stride;
     const T* rr = res + r * res_stride;
     T* yr = y + r * y_stride;
     T* ro = res_out + r * res_out_stride;
-    float a[kRowChunks<T>][V];
+    const RowSplit s = split_row<T, V>(xr, r < rows ? cols : 0);
+    const bool in_registers = row_in_registers<RowRegs<T, V, Grouped>>(g, s), w_vec = aligned16(w + s.head);
+    RowRegs<T, V, Grouped> a;
     float squares = 0.0f;
-    for_chunks<T, V>(in_registers, true, xr, chunks, a, [&](int64_t i, float (&c)[V]) {
-      float d[V];
-      load_chunk(rr, i, d);
+    for_chunks(g, in_registers, true, s, a, [&](int64_t e, auto& c) {
+      constexpr int n = kWidth<decltype(c)>;
+      float d[n];
+      load_at(rr, e, d);
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
+      for (int k = 0; k < n; ++k) {
         c[k] = to_f32(from_f32<T>(c[k] + d[k]));
         squares += c[k] * c[k];
       }
-      store_chunk(ro, i, c);
-    });
-    const float scale = float(1.0 / sqrt(double(block_sum(squares)) / double(cols) + double(eps)));
-    for_chunks<T, V>(in_registers, false, ro, chunks, a, [&](int64_t i, float (&c)[V]) {
-      float wv[V];
-      load_chunk(w, i, wv);
+      store_at(ro, e, c);
+    }, xr);
+    const float scale = float(1.0 / sqrt(double(group_sum(g, squares)) / double(cols) + double(eps)));
+    for_chunks(g, in_registers, false, s, a, [&](int64_t e, auto& c) {
+      constexpr int n = kWidth<decltype(c)>;
+      float wv[n];
+      column_at(w_kept, w, e, w_vec, wv);
 #pragma unroll
-      for (int k = 0; k < V; ++k) c[k] = c[k] * scale * wv[k];
-      store_chunk(yr, i, c);
-    });
+      for (int k = 0; k < n; ++k) c[k] = c[k] * scale * wv[k];
+      store_at(yr, e, c);
+    }, ro);
   }
 }
 
@@ -342,13 +372,16 @@ to_status rms_norm_typed(const to_op_call* c, cudaStream_t stream) {
   const to_tensor &xt = c->inputs[0], &wt = c->inputs[1], &yt = c->outputs[0];
   const int64_t rows = xt.shape[0], cols = xt.shape[1];
   const float eps = float(c->scalars[0]), offset = weight_offset(c->scalars[1]);
-  return with_chunk<T>(rows_aligned16({&xt, &wt, &yt}, sizeof(T)), [&](auto v) {
+  return with_chunk<T>(rows_same_offset16({&xt, &yt}, sizeof(T)), [&](auto v) {
     constexpr int V = decltype(v)::value;
-    rms_norm_kernel<T, V><<<row_blocks(rows), row_block_threads(cols / V), 0, stream>>>(
-        element0<const T>(xt), xt.strides[0], element0<const T>(wt), element0<T>(yt), yt.strides[0], rows, cols,
-        eps, offset);
-    TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
-    return TO_OK;
+    const RowLaunch l = row_launch(rows, cols / V);
+    return with_grouping(l, [&](auto grouped) {
+      rms_norm_kernel<T, V, decltype(grouped)::value><<<l.blocks, l.threads, 0, stream>>>(
+          element0<const T>(xt), xt.strides[0], element0<const T>(wt), element0<T>(yt), yt.strides[0], rows, cols,
+          eps, offset, l.group);
+      TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
+      return TO_OK;
+    });
   });
 }
 
@@ -358,13 +391,16 @@ to_status layer_norm_typed(const to_op_call* c, cudaStream_t stream) {
   const int64_t rows = xt.shape[0], cols = xt.shape[1];
   const T* b = c->ints[0] && bt.data ? element0<const T>(bt) : nullptr;
   const float eps = float(c->scalars[0]);
-  return with_chunk<T>(rows_aligned16({&xt, &wt, &bt, &yt}, sizeof(T)), [&](auto v) {
+  return with_chunk<T>(rows_same_offset16({&xt, &yt}, sizeof(T)), [&](auto v) {
     constexpr int V = decltype(v)::value;
-    layer_norm_kernel<T, V><<<row_blocks(rows), row_block_threads(cols / V), 0, stream>>>(
-        element0<const T>(xt), xt.strides[0], element0<const T>(wt), b, element0<T>(yt), yt.strides[0], rows,
-        cols, eps);
-    TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
-    return TO_OK;
+    const RowLaunch l = row_launch(rows, cols / V);
+    return with_grouping(l, [&](auto grouped) {
+      layer_norm_kernel<T, V, decltype(grouped)::value><<<l.blocks, l.threads, 0, stream>>>(
+          element0<const T>(xt), xt.strides[0], element0<const T>(wt), b, element0<T>(yt), yt.strides[0], rows,
+          cols, eps, l.group);
+      TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
+      return TO_OK;
+    });
   });
 }
 
@@ -374,13 +410,16 @@ to_status add_rms_norm_typed(const to_op_call* c, cudaStream_t stream) {
                   &ot = c->outputs[1];
   const int64_t rows = xt.shape[0], cols = xt.shape[1];
   const float eps = float(c->scalars[0]);
-  return with_chunk<T>(rows_aligned16({&xt, &rt, &wt, &yt, &ot}, sizeof(T)), [&](auto v) {
+  return with_chunk<T>(rows_same_offset16({&xt, &rt, &yt, &ot}, sizeof(T)), [&](auto v) {
     constexpr int V = decltype(v)::value;
-    add_rms_norm_kernel<T, V><<<row_blocks(rows), row_block_threads(cols / V), 0, stream>>>(
-        element0<const T>(xt), xt.strides[0], element0<const T>(rt), rt.strides[0], element0<const T>(wt),
-        element0<T>(yt), yt.strides[0], element0<T>(ot), ot.strides[0], rows, cols, eps);
-    TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
-    return TO_OK;
+    const RowLaunch l = row_launch(rows, cols / V);
+    return with_grouping(l, [&](auto grouped) {
+      add_rms_norm_kernel<T, V, decltype(grouped)::value><<<l.blocks, l.threads, 0, stream>>>(
+          element0<const T>(xt), xt.strides[0], element0<const T>(rt), rt.strides[0], element0<const T>(wt),
+          element0<T>(yt), yt.strides[0], element0<T>(ot), ot.strides[0], rows, cols, eps, l.group);
+      TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
+      return TO_OK;
+    });
   });
 }
 

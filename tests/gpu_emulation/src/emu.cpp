@@ -506,33 +506,40 @@ std::string run_block(const Launch& L, uint3 bidx, char* smem) {
 // not device allocations and do not count. Every access counts, so a row
 // read twice counts twice: a count of the passes over global memory (the
 // DRAM traffic of a GPU whose caches hold nothing between passes).
+// The accesses are counted too (bytes / access: whether a kernel moves
+// 16-byte chunks or single elements), and those of 2, 4, 8 or 16 bytes whose
+// address is not a multiple of their size: a GPU faults on a misaligned
+// vector access, which x86 runs without complaint.
 // TENSOR_OPS_EMU_TRAFFIC=path appends one line per launch:
-//   kernel <TAB> grid <TAB> block <TAB> loaded bytes <TAB> stored bytes
+//   kernel <TAB> grid <TAB> block <TAB> loaded bytes <TAB> stored bytes <TAB> accesses <TAB> misaligned accesses
 void run_launch_blocks(const Launch& L);
 #ifdef TENSOR_OPS_EMU_TRAFFIC
 bool allocation_range(uintptr_t a, size_t bytes, uintptr_t* lo, uintptr_t* hi);
 bool counting = false;  // a kernel runs (only the draining host thread sets it)
-uint64_t loaded = 0, stored = 0;
+uint64_t loaded = 0, stored = 0, accesses = 0, misaligned = 0;
 uintptr_t hit_lo = 1, hit_hi = 0;  // the allocation the last access hit
 
 void count_access(uintptr_t a, size_t n, bool store) {
   if (!counting) return;
   if (!(a >= hit_lo && a + n <= hit_hi) && !allocation_range(a, n, &hit_lo, &hit_hi)) return;
   (store ? stored : loaded) += n;
+  ++accesses;
+  if ((n == 2 || n == 4 || n == 8 || n == 16) && a % n != 0) ++misaligned;
 }
 
 void run_launch(const Launch& L) {
   static const char* traffic_path = std::getenv("TENSOR_OPS_EMU_TRAFFIC");
   if (!traffic_path || !*traffic_path) return run_launch_blocks(L);
-  loaded = stored = 0;
+  loaded = stored = accesses = misaligned = 0;
   hit_lo = 1;
   hit_hi = 0;
   counting = true;
   run_launch_blocks(L);
   counting = false;
   if (FILE* f = std::fopen(traffic_path, "a")) {
-    std::fprintf(f, "%s\t%s\t%s\t%llu\t%llu\n", L.kernel.c_str(), dim_str(L.grid).c_str(), dim_str(L.block).c_str(),
-                 (unsigned long long)loaded, (unsigned long long)stored);
+    std::fprintf(f, "%s\t%s\t%s\t%llu\t%llu\t%llu\t%llu\n", L.kernel.c_str(), dim_str(L.grid).c_str(),
+                 dim_str(L.block).c_str(), (unsigned long long)loaded, (unsigned long long)stored,
+                 (unsigned long long)accesses, (unsigned long long)misaligned);
     std::fclose(f);
   }
 }
