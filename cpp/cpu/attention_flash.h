@@ -562,8 +562,7 @@ void attention_tile_keys(const to_op_call& c, const AttnShape& s, int64_t b, int
     const bool edge = s.causal && j0 + nk - 1 > r0 / s.G + s.off;
     for (int64_t g = 0; g < Np; g += kVW) {
       const vf mo = vload(m + g), lv = vload(lim + g);
-      vf mx = mo;
-      for (int64_t j = 0; j < nk; ++j) {
+      auto score = [&](int64_t j) {  // key j's scores, masked on an edge tile
         float* sp = St + j * R + g;
         vf sv = vload(sp);
         if (edge) {
@@ -571,8 +570,21 @@ void attention_tile_keys(const to_op_call& c, const AttnShape& s, int64_t b, int
                     ((vu)(splat<vf>(float(j0 + j)) > lv) & as_bits(splat<vf>(ninf))));
           vstore(sp, sv);
         }
-        mx = max_t(mx, sv);
+        return sv;
+      };
+      // The max in four chains: one chain made this loop wait out vmaxps'
+      // latency on every key (the hottest loop outside the products at
+      // head_dim 64). The same max for scores without NaN.
+      vf mx = mo, mx1 = mo, mx2 = mo, mx3 = mo;
+      int64_t j = 0;
+      for (; j + 4 <= nk; j += 4) {
+        mx = max_t(mx, score(j));
+        mx1 = max_t(mx1, score(j + 1));
+        mx2 = max_t(mx2, score(j + 2));
+        mx3 = max_t(mx3, score(j + 3));
       }
+      for (; j < nk; ++j) mx = max_t(mx, score(j));
+      mx = max_t(max_t(mx, mx1), max_t(mx2, mx3));
       const vu seen = (vu)(mx > splat<vf>(ninf));  // rows that have seen a key
       vf sum = {};
       for (int64_t j = 0; j < nk; ++j) {
