@@ -612,6 +612,220 @@ void attention_tile_keys(const to_op_call& c, const AttnShape& s, int64_t b, int
   attn_store_rows<D>(s, o, lse, b, kvh, r0, nr, O, m, l);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- forward on AMX tiles (the amx level: bfloat16 rows > kNL) -----------
+// Note [AMX attention]
+// The amx level runs the bf16 forward's two products on AMX tiles
+// (tdpbf16ps: a 16 x 16 fp32 tile += 16 x 32 bf16 times 32 x 16 bf16, 512
+// multiply-adds per instruction where an AVX-512 FMA does 16), the
+// softmax between them in fp32 AVX-512 as in attention_tile_keys:
+// - S^T = K Q^T: K's rows are the A tiles (row-major, as stored); Q^T is
+//   packed once per row tile in the B layout (pairs of head dims
+//   interleaved: the transpose of Q read as 32-bit pairs).
+// - the softmax runs down S^T's columns with the query rows in the lanes;
+//   P^T is rounded to bf16 straight into the B layout of the second
+//   product (two keys interleaved per query), as torch's bf16 SDPA rounds P.
+// - O^T += V^T P^T: V^T (per (batch, kv head), packed once per chunk) gives
+//   the A tiles; O^T stays fp32 in the scratch, rescaled per query lane
+//   when the running max grows, and is transposed once at the end.
+// K and V are copied per (batch, kv head) into zero-padded buffers (keys to
+// a multiple of kAttnKeys, head_dim to 32), so every tile load is whole and
+// padding keys (masked to P = 0) multiply zeros. Each S and O element is a
+// fixed sequence of tile instructions: the same bits at any thread count.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes (tile state is per thread: attention_k
+// loads it in the chunk that uses it and releases it at the chunk's end).
+inline void amx_load_tile_config() {
+  AmxTileConfig c;
+  for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
+  _tile_loadconfig(&c);
+}
+
+inline int64_t amx_dq(int64_t Dm) { return (Dm + 31) / 32 * 32; }
+
+// One (batch, kv head)'s keys, padded: K [Lkp][Dq] and V^T [Dq][Lkp] bf16.
+struct AmxKv {
+  std::vector<uint16_t> k, vt, tile;
+  int64_t Lkp = 0, Dq = 0;
+};
+
+// dst[c * ldd + r] = src[r * lds + c], 16 x 16 16-bit elements (widened to
+// 32-bit lanes for transpose16x16 and narrowed back: exact).
+inline void amx_transpose16x16_u16(const uint16_t* src, int64_t lds, uint16_t* dst, int64_t ldd) {
+  alignas(64) float a[256], t[256];
+  for (int i = 0; i < 16; ++i) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * lds));
+    _mm512_store_si512(a + 16 * i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+  }
+  transpose16x16(a, 16, t, 16);
+  for (int i = 0; i < 16; ++i) {
+    const __m512i y = _mm512_srli_epi32(_mm512_load_si512(t + 16 * i), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * ldd), _mm512_cvtepi32_epi16(y));
+  }
+}
+
+inline void amx_pack_kv(const AttnShape& s, const void* kdata, const void* vdata, int64_t b, int64_t kvh,
+                        AmxKv& p) {
+  const int64_t Dq = amx_dq(s.Dm), Lkp = (s.Lk + kAttnKeys - 1) / kAttnKeys * kAttnKeys, K = kAttnKeys;
+  p.Dq = Dq, p.Lkp = Lkp;
+  if (int64_t(p.k.size()) < Lkp * Dq) p.k.resize(size_t(Lkp * Dq)), p.vt.resize(size_t(Lkp * Dq));
+  if (int64_t(p.tile.size()) < K * Dq) p.tile.resize(size_t(K * Dq));
+  const int64_t base = (b * s.Hkv + kvh) * s.Lk * s.Dm;
+  const uint16_t* ks = static_cast<const uint16_t*>(kdata) + base;
+  const uint16_t* vs = static_cast<const uint16_t*>(vdata) + base;
+  for (int64_t j = 0; j < Lkp; ++j) {
+    uint16_t* d = p.k.data() + j * Dq;
+    const int64_t n = j < s.Lk ? s.Dm : 0;
+    if (n) std::memcpy(d, ks + j * s.Dm, size_t(n) * 2);
+    std::memset(d + n, 0, size_t(Dq - n) * 2);
+  }
+  for (int64_t j0 = 0; j0 < Lkp; j0 += K) {  // a key tile of V, padded, then its transpose
+    uint16_t* t = p.tile.data();
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t n = j0 + j < s.Lk ? s.Dm : 0;
+      if (n) std::memcpy(t + j * Dq, vs + (j0 + j) * s.Dm, size_t(n) * 2);
+      std::memset(t + j * Dq + n, 0, size_t(Dq - n) * 2);
+    }
+    for (int64_t j = 0; j < K; j += 16)
+      for (int64_t d = 0; d < Dq; d += 16) amx_transpose16x16_u16(t + j * Dq + d, Dq, p.vt.data() + d * Lkp + j0 + j, Lkp);
+  }
+}
+
+// One row tile (rows r0.. of (b, kvh), nr > kNL of them) against the packed
+// keys; scratch: attention_scratch_floats' AMX term (attention_tiles.h).
+void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int64_t kvh, int64_t r0, int64_t nr,
+                        const AmxKv& kv, float* scratch) {
+  const to_tensor &q = c.inputs[0], &o = c.outputs[0], &lse = c.outputs[1];
+  constexpr int64_t R = kAttnRows, K = kAttnKeys;
+  static_assert(R == 48 && K % 32 == 0, "the tile loops below take three 16-row query tiles");
+  const int64_t Dq = kv.Dq, Lkp = kv.Lkp, Np = attn_pad(nr), QT = Np / 16;
+  float *m = scratch, *l = m + R, *lim = l + R, *corr = lim + R, *OT = corr + R, *St = OT + Dq * R;
+  uint16_t* pv = reinterpret_cast<uint16_t*>(St + K * R);  // [K / 2][2R]: P^T, two keys per query
+  uint16_t* qc = pv + K * R;                             // [R][Dq]: the row tile's queries
+  uint16_t* qv = qc + R * Dq;                            // [Dq / 2][2R]: Q^T in the B layout
+  const float ninf = -__builtin_inff();
+  for (int64_t r = 0; r < R; ++r) {
+    uint16_t* d = qc + r * Dq;
+    const int64_t n = r < nr ? s.Dm : 0;
+    if (n) std::memcpy(d, static_cast<const uint16_t*>(q.data) + s.row_offset(b, kvh, r0 + r), size_t(n) * 2);
+    std::memset(d + n, 0, size_t(Dq - n) * 2);
+  }
+  for (int64_t d = 0; d < Dq / 2; d += 16)
+    for (int64_t r = 0; r < R; r += 16)
+      transpose16x16(reinterpret_cast<const float*>(qc) + r * (Dq / 2) + d, Dq / 2,
+                     reinterpret_cast<float*>(qv) + d * R + r, R);
+  zero_f(OT, Dq * R);
+  for (int64_t r = 0; r < R; ++r) m[r] = ninf, l[r] = 0, lim[r] = r < nr ? s.limit(r0 + r) : __builtin_inff();
+  const int64_t kend = s.key_end(r0 + nr);
+  const vf scale = splat<vf>(s.scale);
+  // pairs of P^T rows (keys 2i, 2i + 1) into one row of the B layout: lane 2q
+  // from the first, 2q + 1 from the second
+  alignas(64) static constexpr uint16_t kPairIdx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                        21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                        11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pair_idx = _mm512_load_si512(kPairIdx);
+  for (int64_t j0 = 0; j0 < kend; j0 += K) {
+    const int64_t nk = min64(K, kend - j0), nk32 = (nk + 31) / 32 * 32;
+    const uint16_t* kp = kv.k.data() + j0 * Dq;
+    for (int64_t kt = 0; kt < nk; kt += 16) {  // S^T = K Q^T, 16 keys at a time
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      for (int64_t t = 0; t < Dq / 32; ++t) {
+        _tile_loadd(3, kp + kt * Dq + t * 32, Dq * 2);
+        _tile_loadd(4, qv + t * 16 * 2 * R, 4 * R);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_loadd(5, qv + t * 16 * 2 * R + 32, 4 * R);
+        _tile_dpbf16ps(1, 3, 5);
+        if (QT == 3) {
+          _tile_loadd(6, qv + t * 16 * 2 * R + 64, 4 * R);
+          _tile_dpbf16ps(2, 3, 6);
+        }
+      }
+      _tile_stored(0, St + kt * R, 4 * R);
+      _tile_stored(1, St + kt * R + 16, 4 * R);
+      if (QT == 3) _tile_stored(2, St + kt * R + 32, 4 * R);
+    }
+    const bool edge = s.causal && j0 + nk - 1 > r0 / s.G + s.off;
+    bool rescale = false;
+    for (int64_t g = 0; g < Np; g += kVW) {
+      const vf mo = vload(m + g), lv = vload(lim + g);
+      auto score = [&](int64_t j) {  // key j's scaled scores, masked on an edge tile
+        float* sp = St + j * R + g;
+        vf sv = vload(sp) * scale;
+        if (edge)
+          sv = (vf)(((vu)(splat<vf>(float(j0 + j)) <= lv) & as_bits(sv)) |
+                    ((vu)(splat<vf>(float(j0 + j)) > lv) & as_bits(splat<vf>(ninf))));
+        vstore(sp, sv);
+        return sv;
+      };
+      vf mx = mo, mx1 = mo, mx2 = mo, mx3 = mo;
+      int64_t j = 0;
+      for (; j + 4 <= nk; j += 4) {
+        mx = max_t(mx, score(j));
+        mx1 = max_t(mx1, score(j + 1));
+        mx2 = max_t(mx2, score(j + 2));
+        mx3 = max_t(mx3, score(j + 3));
+      }
+      for (; j < nk; ++j) mx = max_t(mx, score(j));
+      mx = max_t(max_t(mx, mx1), max_t(mx2, mx3));
+      const vu seen = (vu)(mx > splat<vf>(ninf));
+      auto prob = [&](int64_t jj) -> vf {
+        if (jj >= nk) return vf{};
+        const vf sv = vload(St + jj * R + g);
+        return from_bits(as_bits(exp_nonpos_t(sv - mx)) & (vu)(sv > splat<vf>(ninf)));
+      };
+      vf sum = {};
+      for (int64_t jj = 0; jj < nk32; jj += 2) {
+        const vf p0 = prob(jj), p1 = prob(jj + 1);
+        sum += p0;
+        sum += p1;
+        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0);
+        _mm512_storeu_si512(pv + (jj / 2) * 2 * R + 2 * g, _mm512_permutexvar_epi16(pair_idx, h));
+      }
+      const vf cr = from_bits(as_bits(exp_nonpos_t(mo - mx)) & seen);
+      vstore(l + g, vload(l + g) * cr + sum);
+      vstore(m + g, mx);
+      vstore(corr + g, cr);
+      for (int x = 0; x < kVW; ++x) rescale |= cr[x] != 1.0f;
+    }
+    if (rescale)
+      for (int64_t d = 0; d < Dq; ++d)
+        for (int64_t g = 0; g < Np; g += kVW) vstore(OT + d * R + g, vload(OT + d * R + g) * vload(corr + g));
+    const uint16_t* vt = kv.vt.data() + j0;
+    for (int64_t d0 = 0; d0 < Dq; d0 += 16) {  // O^T += V^T P^T, 16 head dims at a time
+      _tile_loadd(0, OT + d0 * R, 4 * R);
+      _tile_loadd(1, OT + d0 * R + 16, 4 * R);
+      if (QT == 3) _tile_loadd(2, OT + d0 * R + 32, 4 * R);
+      for (int64_t t = 0; t < nk32 / 32; ++t) {
+        _tile_loadd(3, vt + d0 * Lkp + t * 32, Lkp * 2);
+        _tile_loadd(4, pv + t * 16 * 2 * R, 4 * R);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_loadd(5, pv + t * 16 * 2 * R + 32, 4 * R);
+        _tile_dpbf16ps(1, 3, 5);
+        if (QT == 3) {
+          _tile_loadd(6, pv + t * 16 * 2 * R + 64, 4 * R);
+          _tile_dpbf16ps(2, 3, 6);
+        }
+      }
+      _tile_stored(0, OT + d0 * R, 4 * R);
+      _tile_stored(1, OT + d0 * R + 16, 4 * R);
+      if (QT == 3) _tile_stored(2, OT + d0 * R + 32, 4 * R);
+    }
+  }
+  float* O = St;  // [R][Dp], over S^T and the bf16 buffers after it (all done with)
+  for (int64_t d = 0; d < s.Dp; d += 16)
+    for (int64_t r = 0; r < R; r += 16) transpose16x16(OT + d * R + r, R, O + r * s.Dp + d, s.Dp);
+  attn_store_rows<DType::BFloat16>(s, o, lse, b, kvh, r0, nr, O, m, l);
+}
+#endif
+
 template <DType D>
 int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   const to_tensor &q = c.inputs[0], &k = c.inputs[1], &v = c.inputs[2], &o = c.outputs[0], &lse = c.outputs[1];
@@ -620,9 +834,29 @@ int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   float *Q = scratch, *O = Q + R * Dp, *Kt = O + R * Dp, *V = Kt + Dp * K, *S = V + K * Dp, *m = S + R * K,
         *l = m + R;
   const float ninf = -__builtin_inff();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // the keys of the (batch, kv head) last packed by this chunk; buffers kept by the thread
+  static thread_local AmxKv kv;
+  int64_t packed = -1;
+  bool tiles = false;
+  struct Release {
+    bool& on;
+    ~Release() {
+      if (on) _tile_release();
+    }
+  } release{tiles};
+#endif
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t b = it / (s.Hkv * s.row_tiles), kvh = (it / s.row_tiles) % s.Hkv, t = it % s.row_tiles;
     const int64_t r0 = t * R, nr = min64(R, s.rows - r0);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (D == DType::BFloat16 && nr > kNL) {
+      if (packed != b * s.Hkv + kvh) amx_pack_kv(s, k.data, v.data, b, kvh, kv), packed = b * s.Hkv + kvh;
+      if (!tiles) amx_load_tile_config(), tiles = true;
+      attention_amx_rows(c, s, b, kvh, r0, nr, kv, scratch);
+      continue;
+    }
+#endif
     if (nr > kNL) {
       attention_tile_keys<D>(c, s, b, kvh, r0, nr, scratch);
       continue;

@@ -13,9 +13,12 @@ constexpr int64_t kAttnLanes = 16;  // head_dim and tile columns are padded to a
 inline int64_t attn_pad(int64_t n) { return (n + kAttnLanes - 1) / kAttnLanes * kAttnLanes; }
 
 // Scratch floats per chunk: forward, and the larger of the backward's two phases.
+// The forward's is the larger of the fp32 tile's (attention_tile_keys) and
+// the AMX tile's (attention_amx_rows: head_dim padded to 32, bf16 buffers).
 inline int64_t attention_scratch_floats(int64_t head_dim) {
-  const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys;
-  return 2 * R * Dp + 2 * K * Dp + R * K + 4 * R;
+  const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys, Dq = (head_dim + 31) / 32 * 32;
+  const int64_t fp32 = 2 * R * Dp + 2 * K * Dp + R * K + 4 * R, amx = 4 * R + 2 * Dq * R + K * R + K * R / 2;
+  return fp32 > amx ? fp32 : amx;
 }
 inline int64_t attention_backward_scratch_floats(int64_t head_dim) {
   const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys;

@@ -1,9 +1,11 @@
 #include "cpu_backend.h"
 
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -29,7 +31,25 @@ namespace {
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false, avx512f = false, avx512bw = false, avx512vl = false,
        avx512dq = false, avx512_bf16 = false;
+  bool amx_cpu = false;  // cpuid: AMX-TILE and AMX-BF16
+  bool amx = false;      // and Linux granted this process the tile state
+  std::string amx_reason;  // why amx is false
 };
+
+// AMX tiles need the kernel's permission per process (Linux 5.16+:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); without it the
+// first tile instruction faults. Granted once, for every thread.
+bool request_amx(std::string& reason) {
+#if defined(__x86_64__) && defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0) return true;
+  reason = std::string("Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: ") + std::strerror(errno) +
+           ")";
+#else
+  reason = "AMX needs Linux's arch_prctl(ARCH_REQ_XCOMP_PERM) on x86-64";
+#endif
+  return false;
+}
 
 CpuFeatures detect() {
   CpuFeatures f;
@@ -45,6 +65,16 @@ CpuFeatures detect() {
   f.avx512vl = __builtin_cpu_supports("avx512vl");
   f.avx512dq = __builtin_cpu_supports("avx512dq");
   f.avx512_bf16 = __builtin_cpu_supports("avx512bf16");
+  // CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE
+  f.amx_cpu = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 22 & 1) && (edx >> 24 & 1);
+  if (!f.amx_cpu)
+    f.amx_reason = "this CPU has no AMX-BF16 tiles";
+  else if (!(f.avx512_bf16 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx2 && f.fma && f.f16c))
+    f.amx_reason = "the amx level needs the avx512_bf16 level too";
+  else
+    f.amx = request_amx(f.amx_reason);
+#else
+  f.amx_reason = "not an x86-64 build";
 #endif
   return f;
 }
@@ -62,16 +92,17 @@ std::vector<const IsaKernels*> supported_levels() {
   if (f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) {
     v.push_back(&kernels_avx512());
     if (f.avx512_bf16) v.push_back(&kernels_avx512_bf16());
+    if (f.amx) v.push_back(&kernels_amx());
   }
 #endif
   return v;
 }
 
 const IsaKernels* pick_level(const std::string& name) {
-  static const char* known[] = {"baseline", "avx2", "avx512", "avx512_bf16"};
+  static const char* known[] = {"baseline", "avx2", "avx512", "avx512_bf16", "amx"};
   if (std::find_if(std::begin(known), std::end(known), [&](const char* k) { return name == k; }) ==
       std::end(known))
-    throw InvalidArgument("unknown CPU ISA level '" + name + "'; valid: baseline, avx2, avx512, avx512_bf16, auto");
+    throw InvalidArgument("unknown CPU ISA level '" + name + "'; valid: baseline, avx2, avx512, avx512_bf16, amx, auto");
   for (const IsaKernels* k : supported_levels())
     if (name == k->name) return k;
   throw Unsupported("this CPU cannot run the '" + name + "' kernels (supported: " + [] {
@@ -469,7 +500,8 @@ to_status cpu_device_info(int32_t device, to_device_info* out) {
                       "\nthreads=" + std::to_string(num_threads()) + "\nhas_avx2=" + std::to_string(f.avx2) +
                       "\nhas_fma=" + std::to_string(f.fma) + "\nhas_f16c=" + std::to_string(f.f16c) +
                       "\nhas_avx512=" + std::to_string(f.avx512f) +
-                      "\nhas_avx512_bf16=" + std::to_string(f.avx512_bf16);
+                      "\nhas_avx512_bf16=" + std::to_string(f.avx512_bf16) + "\nhas_amx=" + std::to_string(f.amx) +
+                      (f.amx ? std::string() : "\namx_unavailable=" + f.amx_reason);
   copy_str(out->properties, sizeof(out->properties), props);
   return TO_OK;
 }

@@ -10,7 +10,7 @@ namespace tensor_ops::cpu {
 
 const to_backend_v1* cpu_backend_table();
 
-// ISA levels this CPU runs ("baseline", "avx2", "avx512", "avx512_bf16"), lowest first.
+// ISA levels this CPU runs ("baseline", "avx2", "avx512", "avx512_bf16", "amx"), lowest first.
 std::vector<std::string> supported_isas();
 // The level the kernels use now: the best supported one, capped by the
 // TENSOR_OPS_CPU_ISA environment variable or set_isa().

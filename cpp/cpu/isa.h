@@ -1,6 +1,6 @@
 #pragma once
 // The CPU kernels of one instruction-set level. kernels_impl.h is compiled
-// once per level (baseline, AVX2+FMA+F16C, AVX-512, AVX-512 with AVX512-BF16) and the best level the
+// once per level (baseline, AVX2+FMA+F16C, AVX-512, AVX-512 with AVX512-BF16, that with AMX tiles) and the best level the
 // CPU runs is chosen at run time by cpuid.
 #include <cstdint>
 
@@ -33,6 +33,7 @@ const IsaKernels& kernels_baseline();
 const IsaKernels& kernels_avx2();
 const IsaKernels& kernels_avx512();
 const IsaKernels& kernels_avx512_bf16();
+const IsaKernels& kernels_amx();
 #endif
 
 }  // namespace tensor_ops::cpu

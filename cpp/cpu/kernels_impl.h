@@ -2,7 +2,9 @@
 // TENSOR_OPS_ISA_NS (the namespace) and TENSOR_OPS_ISA_NAME, and is built
 // with that level's compiler flags.
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define TENSOR_OPS_HAVE_STREAM 1

@@ -32,6 +32,7 @@ const cpu::IsaKernels& table(const std::string& level) {
   if (level == "avx2") return cpu::kernels_avx2();
   if (level == "avx512") return cpu::kernels_avx512();
   if (level == "avx512_bf16") return cpu::kernels_avx512_bf16();
+  if (level == "amx") return cpu::kernels_amx();
 #endif
   return cpu::kernels_baseline();
 }
@@ -188,7 +189,7 @@ TEST_P(Bf16Rounding, NarrowsSubnormalsUnderFtzDaz) {
 }
 #endif
 
-INSTANTIATE_TEST_SUITE_P(Levels, Bf16Rounding, ::testing::Values("baseline", "avx2", "avx512", "avx512_bf16"),
+INSTANTIATE_TEST_SUITE_P(Levels, Bf16Rounding, ::testing::Values("baseline", "avx2", "avx512", "avx512_bf16", "amx"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -423,7 +423,7 @@ std::string kernel_test_name(const ::testing::TestParamInfo<KernelTest::ParamTyp
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsasAllDTypes, KernelTest,
-                         ::testing::Combine(::testing::Values("baseline", "avx2", "avx512", "avx512_bf16"),
+                         ::testing::Combine(::testing::Values("baseline", "avx2", "avx512", "avx512_bf16", "amx"),
                                             ::testing::ValuesIn(kAllDTypes)),
                          kernel_test_name);
 
@@ -436,7 +436,7 @@ TEST(CpuIsa, LevelsAndSelection) {
   cpu::set_isa("auto");
   EXPECT_EQ(cpu::active_isa(), levels.back());
   EXPECT_THAT(thrown_message<InvalidArgument>([] { cpu::set_isa("sse9"); }), HasSubstr("'sse9'"));
-  for (const char* level : {"avx2", "avx512", "avx512_bf16"}) {
+  for (const char* level : {"avx2", "avx512", "avx512_bf16", "amx"}) {
     if (std::find(levels.begin(), levels.end(), level) == levels.end()) {
       EXPECT_THROW(cpu::set_isa(level), Unsupported) << level;
     }

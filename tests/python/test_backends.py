@@ -39,7 +39,7 @@ def test_devices_have_cpu_with_isa():
     d = cpu[0]
     assert d.device_type == "cpu" and d.is_available and d.device_name
     assert d.total_memory_bytes > 1 << 28
-    assert d.properties["isa"] in ("baseline", "avx2", "avx512", "avx512_bf16")
+    assert d.properties["isa"] in ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
     assert d.compute_capability == d.properties["isa"]
     dd = d.to_dict()
     for key in ["backend", "device_type", "device_id", "device_name", "total_memory_bytes",

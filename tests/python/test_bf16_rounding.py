@@ -15,7 +15,7 @@ from tensor_ops import _C
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
-LEVELS = ["baseline", "avx2", "avx512", "avx512_bf16"]
+LEVELS = ["baseline", "avx2", "avx512", "avx512_bf16", "amx"]
 
 
 @pytest.fixture(params=LEVELS)
