@@ -629,7 +629,7 @@ void attention_tile_keys(const to_op_call& c, const AttnShape& s, int64_t b, int
 //   the A tiles; O^T stays fp32 in the scratch, rescaled per query lane
 //   when the running max grows, and is transposed once at the end.
 // K and V are copied per (batch, kv head) into zero-padded buffers (keys to
-// a multiple of kAttnKeys, head_dim to 32), so every tile load is whole and
+// a multiple of kAttnAmxKeys, head_dim to 32), so every tile load is whole and
 // padding keys (masked to P = 0) multiply zeros. Each S and O element is a
 // fixed sequence of tile instructions: the same bits at any thread count.
 struct alignas(64) AmxTileConfig {
@@ -672,7 +672,7 @@ inline void amx_transpose16x16_u16(const uint16_t* src, int64_t lds, uint16_t* d
 
 inline void amx_pack_kv(const AttnShape& s, const void* kdata, const void* vdata, int64_t b, int64_t kvh,
                         AmxKv& p) {
-  const int64_t Dq = amx_dq(s.Dm), Lkp = (s.Lk + kAttnKeys - 1) / kAttnKeys * kAttnKeys, K = kAttnKeys;
+  const int64_t Dq = amx_dq(s.Dm), Lkp = (s.Lk + kAttnAmxKeys - 1) / kAttnAmxKeys * kAttnAmxKeys, K = kAttnKeys;
   p.Dq = Dq, p.Lkp = Lkp;
   if (int64_t(p.k.size()) < Lkp * Dq) p.k.resize(size_t(Lkp * Dq)), p.vt.resize(size_t(Lkp * Dq));
   if (int64_t(p.tile.size()) < K * Dq) p.tile.resize(size_t(K * Dq));
@@ -698,17 +698,18 @@ inline void amx_pack_kv(const AttnShape& s, const void* kdata, const void* vdata
 }
 
 // One row tile (rows r0.. of (b, kvh), nr > kNL of them) against the packed
-// keys; scratch: attention_scratch_floats' AMX term (attention_tiles.h).
+// keys, kAttnAmxKeys at a time; scratch: attention_scratch_floats' AMX term
+// (attention_tiles.h).
 void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int64_t kvh, int64_t r0, int64_t nr,
                         const AmxKv& kv, float* scratch) {
   const to_tensor &q = c.inputs[0], &o = c.outputs[0], &lse = c.outputs[1];
-  constexpr int64_t R = kAttnRows, K = kAttnKeys;
+  constexpr int64_t R = kAttnRows, K = kAttnAmxKeys;
   static_assert(R == 48 && K % 32 == 0, "the tile loops below take three 16-row query tiles");
   const int64_t Dq = kv.Dq, Lkp = kv.Lkp, Np = attn_pad(nr), QT = Np / 16;
   float *m = scratch, *l = m + R, *lim = l + R, *corr = lim + R, *OT = corr + R, *St = OT + Dq * R;
   uint16_t* pv = reinterpret_cast<uint16_t*>(St + K * R);  // [K / 2][2R]: P^T, two keys per query
-  uint16_t* qc = pv + K * R;                             // [R][Dq]: the row tile's queries
-  uint16_t* qv = qc + R * Dq;                            // [Dq / 2][2R]: Q^T in the B layout
+  uint16_t* qc = pv + K * R;                               // [R][Dq]: the row tile's queries
+  uint16_t* qv = qc + R * Dq;                              // [Dq / 2][2R]: Q^T in the B layout
   const float ninf = -__builtin_inff();
   for (int64_t r = 0; r < R; ++r) {
     uint16_t* d = qc + r * Dq;
@@ -723,7 +724,13 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
   zero_f(OT, Dq * R);
   for (int64_t r = 0; r < R; ++r) m[r] = ninf, l[r] = 0, lim[r] = r < nr ? s.limit(r0 + r) : __builtin_inff();
   const int64_t kend = s.key_end(r0 + nr);
-  const vf scale = splat<vf>(s.scale);
+  // A positive finite scale multiplies inside the exp (e^(scale (s - max)),
+  // the max taken over the unscaled scores, which it does not reorder), so
+  // the scores are stored back only on a masked tile; any other scale
+  // multiplies each score first. m holds the running max of the scores
+  // times mul; lse = m * esc + log l.
+  const bool folded = s.scale > 0 && s.scale < __builtin_inff();
+  const vf mul = splat<vf>(folded ? 1.0f : s.scale), esc = splat<vf>(folded ? s.scale : 1.0f);
   // pairs of P^T rows (keys 2i, 2i + 1) into one row of the B layout: lane 2q
   // from the first, 2q + 1 from the second
   alignas(64) static constexpr uint16_t kPairIdx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
@@ -733,36 +740,57 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
   for (int64_t j0 = 0; j0 < kend; j0 += K) {
     const int64_t nk = min64(K, kend - j0), nk32 = (nk + 31) / 32 * 32;
     const uint16_t* kp = kv.k.data() + j0 * Dq;
-    for (int64_t kt = 0; kt < nk; kt += 16) {  // S^T = K Q^T, 16 keys at a time
+    // S^T = K Q^T, 32 keys at a time: keys x query tiles 0-1 as a 2 x 2
+    // block of C tiles (each A and B tile loaded once for two products),
+    // then keys x query tile 2
+    for (int64_t kt = 0; kt < nk; kt += 32) {
+      const uint16_t* ka = kp + kt * Dq;
+      float* sc = St + kt * R;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
+      _tile_zero(3);
       for (int64_t t = 0; t < Dq / 32; ++t) {
-        _tile_loadd(3, kp + kt * Dq + t * 32, Dq * 2);
-        _tile_loadd(4, qv + t * 16 * 2 * R, 4 * R);
-        _tile_dpbf16ps(0, 3, 4);
-        _tile_loadd(5, qv + t * 16 * 2 * R + 32, 4 * R);
-        _tile_dpbf16ps(1, 3, 5);
-        if (QT == 3) {
-          _tile_loadd(6, qv + t * 16 * 2 * R + 64, 4 * R);
-          _tile_dpbf16ps(2, 3, 6);
-        }
+        _tile_loadd(4, ka + t * 32, Dq * 2);
+        _tile_loadd(5, ka + 16 * Dq + t * 32, Dq * 2);
+        _tile_loadd(6, qv + t * 16 * 2 * R, 4 * R);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(7, qv + t * 16 * 2 * R + 32, 4 * R);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
       }
-      _tile_stored(0, St + kt * R, 4 * R);
-      _tile_stored(1, St + kt * R + 16, 4 * R);
-      if (QT == 3) _tile_stored(2, St + kt * R + 32, 4 * R);
+      _tile_stored(0, sc, 4 * R);
+      _tile_stored(1, sc + 16, 4 * R);
+      _tile_stored(2, sc + 16 * R, 4 * R);
+      _tile_stored(3, sc + 16 * R + 16, 4 * R);
+      if (QT == 3) {
+        _tile_zero(0);
+        _tile_zero(2);
+        for (int64_t t = 0; t < Dq / 32; ++t) {
+          _tile_loadd(4, ka + t * 32, Dq * 2);
+          _tile_loadd(5, ka + 16 * Dq + t * 32, Dq * 2);
+          _tile_loadd(6, qv + t * 16 * 2 * R + 64, 4 * R);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+        }
+        _tile_stored(0, sc + 32, 4 * R);
+        _tile_stored(2, sc + 16 * R + 32, 4 * R);
+      }
     }
     const bool edge = s.causal && j0 + nk - 1 > r0 / s.G + s.off;
+    const bool store = edge || !folded;
     bool rescale = false;
     for (int64_t g = 0; g < Np; g += kVW) {
       const vf mo = vload(m + g), lv = vload(lim + g);
-      auto score = [&](int64_t j) {  // key j's scaled scores, masked on an edge tile
+      auto score = [&](int64_t j) {  // key j's scores (times mul), masked on an edge tile
         float* sp = St + j * R + g;
-        vf sv = vload(sp) * scale;
+        vf sv = vload(sp);
+        if (!folded) sv = sv * mul;
         if (edge)
           sv = (vf)(((vu)(splat<vf>(float(j0 + j)) <= lv) & as_bits(sv)) |
                     ((vu)(splat<vf>(float(j0 + j)) > lv) & as_bits(splat<vf>(ninf))));
-        vstore(sp, sv);
+        if (store) vstore(sp, sv);
         return sv;
       };
       vf mx = mo, mx1 = mo, mx2 = mo, mx3 = mo;
@@ -776,10 +804,11 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
       for (; j < nk; ++j) mx = max_t(mx, score(j));
       mx = max_t(max_t(mx, mx1), max_t(mx2, mx3));
       const vu seen = (vu)(mx > splat<vf>(ninf));
+      const vf nmx = from_bits(as_bits(-(mx * esc)) & seen);  // -max * esc (0 where -inf: no NaN below)
       auto prob = [&](int64_t jj) -> vf {
         if (jj >= nk) return vf{};
         const vf sv = vload(St + jj * R + g);
-        return from_bits(as_bits(exp_nonpos_t(sv - mx)) & (vu)(sv > splat<vf>(ninf)));
+        return from_bits(as_bits(exp_nonpos_t(sv * esc + nmx)) & (vu)(sv > splat<vf>(ninf)));
       };
       vf sum = {};
       for (int64_t jj = 0; jj < nk32; jj += 2) {
@@ -789,7 +818,7 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
         const __m512i h = (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0);
         _mm512_storeu_si512(pv + (jj / 2) * 2 * R + 2 * g, _mm512_permutexvar_epi16(pair_idx, h));
       }
-      const vf cr = from_bits(as_bits(exp_nonpos_t(mo - mx)) & seen);
+      const vf cr = from_bits(as_bits(exp_nonpos_t((mo - mx) * esc)) & seen);
       vstore(l + g, vload(l + g) * cr + sum);
       vstore(m + g, mx);
       vstore(corr + g, cr);
@@ -804,14 +833,28 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
       _tile_loadd(1, OT + d0 * R + 16, 4 * R);
       if (QT == 3) _tile_loadd(2, OT + d0 * R + 32, 4 * R);
       for (int64_t t = 0; t < nk32 / 32; ++t) {
-        _tile_loadd(3, vt + d0 * Lkp + t * 32, Lkp * 2);
-        _tile_loadd(4, pv + t * 16 * 2 * R, 4 * R);
-        _tile_dpbf16ps(0, 3, 4);
-        _tile_loadd(5, pv + t * 16 * 2 * R + 32, 4 * R);
-        _tile_dpbf16ps(1, 3, 5);
-        if (QT == 3) {
-          _tile_loadd(6, pv + t * 16 * 2 * R + 64, 4 * R);
-          _tile_dpbf16ps(2, 3, 6);
+        const uint16_t* va = vt + d0 * Lkp + t * 32;
+        const uint16_t* pb = pv + t * 16 * 2 * R;
+        if (t % 2 == 0) {
+          _tile_loadd(3, va, Lkp * 2);
+          _tile_loadd(4, pb, 4 * R);
+          _tile_dpbf16ps(0, 3, 4);
+          _tile_loadd(5, pb + 32, 4 * R);
+          _tile_dpbf16ps(1, 3, 5);
+          if (QT == 3) {
+            _tile_loadd(6, pb + 64, 4 * R);
+            _tile_dpbf16ps(2, 3, 6);
+          }
+        } else {
+          _tile_loadd(7, va, Lkp * 2);
+          _tile_loadd(4, pb, 4 * R);
+          _tile_dpbf16ps(0, 7, 4);
+          _tile_loadd(5, pb + 32, 4 * R);
+          _tile_dpbf16ps(1, 7, 5);
+          if (QT == 3) {
+            _tile_loadd(6, pb + 64, 4 * R);
+            _tile_dpbf16ps(2, 7, 6);
+          }
         }
       }
       _tile_stored(0, OT + d0 * R, 4 * R);
@@ -819,6 +862,7 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
       if (QT == 3) _tile_stored(2, OT + d0 * R + 32, 4 * R);
     }
   }
+  for (int64_t r = 0; r < R; ++r) m[r] = m[r] * esc[0];  // the max of the scaled scores (-inf stays)
   float* O = St;  // [R][Dp], over S^T and the bf16 buffers after it (all done with)
   for (int64_t d = 0; d < s.Dp; d += 16)
     for (int64_t r = 0; r < R; r += 16) transpose16x16(OT + d * R + r, R, O + r * s.Dp + d, s.Dp);

@@ -8,7 +8,8 @@ namespace tensor_ops::cpu {
 
 constexpr int64_t kAttnRows = 48;   // query rows per tile (a multiple of 6 and 16)
 constexpr int64_t kAttnKeys = 64;   // keys per tile (a multiple of 16)
-constexpr int64_t kAttnLanes = 16;  // head_dim and tile columns are padded to a multiple of this
+constexpr int64_t kAttnLanes = 16;
+constexpr int64_t kAttnAmxKeys = 256;  // keys per block of the AMX forward (a multiple of 64)  // head_dim and tile columns are padded to a multiple of this
 
 inline int64_t attn_pad(int64_t n) { return (n + kAttnLanes - 1) / kAttnLanes * kAttnLanes; }
 
@@ -17,7 +18,7 @@ inline int64_t attn_pad(int64_t n) { return (n + kAttnLanes - 1) / kAttnLanes * 
 // the AMX tile's (attention_amx_rows: head_dim padded to 32, bf16 buffers).
 inline int64_t attention_scratch_floats(int64_t head_dim) {
   const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys, Dq = (head_dim + 31) / 32 * 32;
-  const int64_t fp32 = 2 * R * Dp + 2 * K * Dp + R * K + 4 * R, amx = 4 * R + 2 * Dq * R + K * R + K * R / 2;
+  const int64_t fp32 = 2 * R * Dp + 2 * K * Dp + R * K + 4 * R, amx = 4 * R + 2 * Dq * R + kAttnAmxKeys * R * 3 / 2;
   return fp32 > amx ? fp32 : amx;
 }
 inline int64_t attention_backward_scratch_floats(int64_t head_dim) {

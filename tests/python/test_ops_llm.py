@@ -179,6 +179,7 @@ ATTN_SHAPES = [  # B, Hq, Hkv, Lq, Lk, D
     (1, 3, 3, 65, 65, 8),
     (1, 8, 1, 5, 130, 64),
     (2, 2, 2, 9, 4, 32),
+    (1, 4, 2, 37, 300, 40),  # the amx level: two 256-key blocks, the second partial; head_dim padded to 64
 ]
 
 
@@ -198,6 +199,9 @@ def test_attention(shape, causal, dtype, target, rng):
     assert_close(out, ref_attention(q, k, v, causal, 1 / math.sqrt(D)), dtype, "attention", scale=v_scale)
     assert_close(to.attention(q, k, v, bool(causal), scale=0.3, causal_alignment=al),
                  ref_attention(q, k, v, causal, 0.3), dtype, "scale", scale=v_scale)
+    # a negative scale (the amx level folds only a positive one into its exp)
+    assert_close(to.attention(q, k, v, bool(causal), scale=-0.2, causal_alignment=al),
+                 ref_attention(q, k, v, causal, -0.2), dtype, "negative scale", scale=v_scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
