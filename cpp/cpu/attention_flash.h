@@ -670,30 +670,153 @@ inline void amx_transpose16x16_u16(const uint16_t* src, int64_t lds, uint16_t* d
   }
 }
 
+// Keys [0, Lkp) of (b, kvh) from src [.., Lk, Dm] into dst [Lkp][Dq],
+// zero-padded (keys past Lk, head dims past Dm).
+inline void amx_pack_key_rows(const AttnShape& s, const void* src, int64_t b, int64_t kvh, int64_t Lkp, int64_t Dq,
+                              uint16_t* dst) {
+  const uint16_t* p = static_cast<const uint16_t*>(src) + (b * s.Hkv + kvh) * s.Lk * s.Dm;
+  for (int64_t j = 0; j < Lkp; ++j) {
+    uint16_t* d = dst + j * Dq;
+    const int64_t n = j < s.Lk ? s.Dm : 0;
+    if (n) std::memcpy(d, p + j * s.Dm, size_t(n) * 2);
+    std::memset(d + n, 0, size_t(Dq - n) * 2);
+  }
+}
+
+// The same keys transposed: dst [Dq][Lkp], a padded 64-key tile at a time
+// through tile [64][Dq].
+inline void amx_pack_key_cols(const AttnShape& s, const void* src, int64_t b, int64_t kvh, int64_t Lkp, int64_t Dq,
+                              uint16_t* dst, uint16_t* tile) {
+  constexpr int64_t K = kAttnKeys;
+  const uint16_t* p = static_cast<const uint16_t*>(src) + (b * s.Hkv + kvh) * s.Lk * s.Dm;
+  for (int64_t j0 = 0; j0 < Lkp; j0 += K) {
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t n = j0 + j < s.Lk ? s.Dm : 0;
+      if (n) std::memcpy(tile + j * Dq, p + (j0 + j) * s.Dm, size_t(n) * 2);
+      std::memset(tile + j * Dq + n, 0, size_t(Dq - n) * 2);
+    }
+    for (int64_t j = 0; j < K; j += 16)
+      for (int64_t d = 0; d < Dq; d += 16) amx_transpose16x16_u16(tile + j * Dq + d, Dq, dst + d * Lkp + j0 + j, Lkp);
+  }
+}
+
 inline void amx_pack_kv(const AttnShape& s, const void* kdata, const void* vdata, int64_t b, int64_t kvh,
                         AmxKv& p) {
   const int64_t Dq = amx_dq(s.Dm), Lkp = (s.Lk + kAttnAmxKeys - 1) / kAttnAmxKeys * kAttnAmxKeys, K = kAttnKeys;
   p.Dq = Dq, p.Lkp = Lkp;
   if (int64_t(p.k.size()) < Lkp * Dq) p.k.resize(size_t(Lkp * Dq)), p.vt.resize(size_t(Lkp * Dq));
   if (int64_t(p.tile.size()) < K * Dq) p.tile.resize(size_t(K * Dq));
-  const int64_t base = (b * s.Hkv + kvh) * s.Lk * s.Dm;
-  const uint16_t* ks = static_cast<const uint16_t*>(kdata) + base;
-  const uint16_t* vs = static_cast<const uint16_t*>(vdata) + base;
-  for (int64_t j = 0; j < Lkp; ++j) {
-    uint16_t* d = p.k.data() + j * Dq;
-    const int64_t n = j < s.Lk ? s.Dm : 0;
-    if (n) std::memcpy(d, ks + j * s.Dm, size_t(n) * 2);
-    std::memset(d + n, 0, size_t(Dq - n) * 2);
-  }
-  for (int64_t j0 = 0; j0 < Lkp; j0 += K) {  // a key tile of V, padded, then its transpose
-    uint16_t* t = p.tile.data();
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t n = j0 + j < s.Lk ? s.Dm : 0;
-      if (n) std::memcpy(t + j * Dq, vs + (j0 + j) * s.Dm, size_t(n) * 2);
-      std::memset(t + j * Dq + n, 0, size_t(Dq - n) * 2);
+  amx_pack_key_rows(s, kdata, b, kvh, Lkp, Dq, p.k.data());
+  amx_pack_key_cols(s, vdata, b, kvh, Lkp, Dq, p.vt.data(), p.tile.data());
+}
+
+// rows [R][Dq] (bf16) into the B layout of a product over head dims:
+// dst [Dq / 2][2R], dst[i][2r + e] = rows[r][2i + e] (the transpose of the
+// rows read as 32-bit pairs).
+inline void amx_pack_dims(const uint16_t* rows, int64_t Dq, uint16_t* dst) {
+  constexpr int64_t R = kAttnRows;
+  for (int64_t d = 0; d < Dq / 2; d += 16)
+    for (int64_t r = 0; r < R; r += 16)
+      transpose16x16(reinterpret_cast<const float*>(rows) + r * (Dq / 2) + d, Dq / 2,
+                     reinterpret_cast<float*>(dst) + d * R + r, R);
+}
+
+// Two keys' values for 16 query rows (fp32) as one row of the B layout of
+// a product over keys: bf16 (round to nearest even), lane 2q from the
+// first, 2q + 1 from the second.
+TENSOR_OPS_VEC_INLINE __m512i amx_key_pair(vf first, vf second) {
+  alignas(64) static constexpr uint16_t kIdx[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                    21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                    11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i h = (__m512i)_mm512_cvtne2ps_pbh((__m512)second, (__m512)first);
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kIdx), h);
+}
+
+// C^T products on a row tile's three 16-row query tiles (QT of them used):
+// out [n32][kAttnRows] fp32 = A B, A the key rows a [n32][Dq] (bf16, K or
+// V), B the row tile packed by amx_pack_dims; n32 a multiple of 32. Keys x
+// query tiles 0-1 as a 2 x 2 block of C tiles (each A and B tile loaded
+// once for two products), then keys x query tile 2.
+inline void amx_keys_x_rows(const uint16_t* a, const uint16_t* bv, float* out, int64_t n32, int64_t QT, int64_t Dq) {
+  constexpr int64_t R = kAttnRows;
+  for (int64_t kt = 0; kt < n32; kt += 32) {
+    const uint16_t* ka = a + kt * Dq;
+    float* sc = out + kt * R;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t = 0; t < Dq / 32; ++t) {
+      _tile_loadd(4, ka + t * 32, Dq * 2);
+      _tile_loadd(5, ka + 16 * Dq + t * 32, Dq * 2);
+      _tile_loadd(6, bv + t * 16 * 2 * R, 4 * R);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, bv + t * 16 * 2 * R + 32, 4 * R);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
     }
-    for (int64_t j = 0; j < K; j += 16)
-      for (int64_t d = 0; d < Dq; d += 16) amx_transpose16x16_u16(t + j * Dq + d, Dq, p.vt.data() + d * Lkp + j0 + j, Lkp);
+    _tile_stored(0, sc, 4 * R);
+    _tile_stored(1, sc + 16, 4 * R);
+    _tile_stored(2, sc + 16 * R, 4 * R);
+    _tile_stored(3, sc + 16 * R + 16, 4 * R);
+    if (QT == 3) {
+      _tile_zero(0);
+      _tile_zero(2);
+      for (int64_t t = 0; t < Dq / 32; ++t) {
+        _tile_loadd(4, ka + t * 32, Dq * 2);
+        _tile_loadd(5, ka + 16 * Dq + t * 32, Dq * 2);
+        _tile_loadd(6, bv + t * 16 * 2 * R + 64, 4 * R);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+      _tile_stored(0, sc + 32, 4 * R);
+      _tile_stored(2, sc + 16 * R + 32, 4 * R);
+    }
+  }
+}
+
+// C^T [Dq][ldc] (fp32, columns: the row tile's query rows) += A B over
+// 32 * steps keys: A the head-dim-major keys at (lda elements per head dim:
+// V^T or K^T from amx_pack_key_cols, at the block's first key), B pairs of
+// keys per query row [steps * 16][2 kAttnRows] (P^T or dS^T, two keys
+// interleaved per row). A alternates between tmm3 and tmm7: the next step's
+// load need not wait for this step's products to release the register.
+inline void amx_dims_x_rows(const uint16_t* at, int64_t lda, const uint16_t* bp, float* c, int64_t ldc,
+                            int64_t steps, int64_t QT, int64_t Dq) {
+  constexpr int64_t R = kAttnRows;
+  for (int64_t d0 = 0; d0 < Dq; d0 += 16) {
+    _tile_loadd(0, c + d0 * ldc, 4 * ldc);
+    _tile_loadd(1, c + d0 * ldc + 16, 4 * ldc);
+    if (QT == 3) _tile_loadd(2, c + d0 * ldc + 32, 4 * ldc);
+    for (int64_t t = 0; t < steps; ++t) {
+      const uint16_t* va = at + d0 * lda + t * 32;
+      const uint16_t* pb = bp + t * 16 * 2 * R;
+      if (t % 2 == 0) {
+        _tile_loadd(3, va, lda * 2);
+        _tile_loadd(4, pb, 4 * R);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_loadd(5, pb + 32, 4 * R);
+        _tile_dpbf16ps(1, 3, 5);
+        if (QT == 3) {
+          _tile_loadd(6, pb + 64, 4 * R);
+          _tile_dpbf16ps(2, 3, 6);
+        }
+      } else {
+        _tile_loadd(7, va, lda * 2);
+        _tile_loadd(4, pb, 4 * R);
+        _tile_dpbf16ps(0, 7, 4);
+        _tile_loadd(5, pb + 32, 4 * R);
+        _tile_dpbf16ps(1, 7, 5);
+        if (QT == 3) {
+          _tile_loadd(6, pb + 64, 4 * R);
+          _tile_dpbf16ps(2, 7, 6);
+        }
+      }
+    }
+    _tile_stored(0, c + d0 * ldc, 4 * ldc);
+    _tile_stored(1, c + d0 * ldc + 16, 4 * ldc);
+    if (QT == 3) _tile_stored(2, c + d0 * ldc + 32, 4 * ldc);
   }
 }
 
@@ -717,10 +840,7 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
     if (n) std::memcpy(d, static_cast<const uint16_t*>(q.data) + s.row_offset(b, kvh, r0 + r), size_t(n) * 2);
     std::memset(d + n, 0, size_t(Dq - n) * 2);
   }
-  for (int64_t d = 0; d < Dq / 2; d += 16)
-    for (int64_t r = 0; r < R; r += 16)
-      transpose16x16(reinterpret_cast<const float*>(qc) + r * (Dq / 2) + d, Dq / 2,
-                     reinterpret_cast<float*>(qv) + d * R + r, R);
+  amx_pack_dims(qc, Dq, qv);
   zero_f(OT, Dq * R);
   for (int64_t r = 0; r < R; ++r) m[r] = ninf, l[r] = 0, lim[r] = r < nr ? s.limit(r0 + r) : __builtin_inff();
   const int64_t kend = s.key_end(r0 + nr);
@@ -731,53 +851,10 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
   // times mul; lse = m * esc + log l.
   const bool folded = s.scale > 0 && s.scale < __builtin_inff();
   const vf mul = splat<vf>(folded ? 1.0f : s.scale), esc = splat<vf>(folded ? s.scale : 1.0f);
-  // pairs of P^T rows (keys 2i, 2i + 1) into one row of the B layout: lane 2q
-  // from the first, 2q + 1 from the second
-  alignas(64) static constexpr uint16_t kPairIdx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
-                                                        21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
-                                                        11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i pair_idx = _mm512_load_si512(kPairIdx);
   for (int64_t j0 = 0; j0 < kend; j0 += K) {
     const int64_t nk = min64(K, kend - j0), nk32 = (nk + 31) / 32 * 32;
     const uint16_t* kp = kv.k.data() + j0 * Dq;
-    // S^T = K Q^T, 32 keys at a time: keys x query tiles 0-1 as a 2 x 2
-    // block of C tiles (each A and B tile loaded once for two products),
-    // then keys x query tile 2
-    for (int64_t kt = 0; kt < nk; kt += 32) {
-      const uint16_t* ka = kp + kt * Dq;
-      float* sc = St + kt * R;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t t = 0; t < Dq / 32; ++t) {
-        _tile_loadd(4, ka + t * 32, Dq * 2);
-        _tile_loadd(5, ka + 16 * Dq + t * 32, Dq * 2);
-        _tile_loadd(6, qv + t * 16 * 2 * R, 4 * R);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_loadd(7, qv + t * 16 * 2 * R + 32, 4 * R);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, sc, 4 * R);
-      _tile_stored(1, sc + 16, 4 * R);
-      _tile_stored(2, sc + 16 * R, 4 * R);
-      _tile_stored(3, sc + 16 * R + 16, 4 * R);
-      if (QT == 3) {
-        _tile_zero(0);
-        _tile_zero(2);
-        for (int64_t t = 0; t < Dq / 32; ++t) {
-          _tile_loadd(4, ka + t * 32, Dq * 2);
-          _tile_loadd(5, ka + 16 * Dq + t * 32, Dq * 2);
-          _tile_loadd(6, qv + t * 16 * 2 * R + 64, 4 * R);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(2, 5, 6);
-        }
-        _tile_stored(0, sc + 32, 4 * R);
-        _tile_stored(2, sc + 16 * R + 32, 4 * R);
-      }
-    }
+    amx_keys_x_rows(kp, qv, St, nk32, QT, Dq);  // S^T = K Q^T
     const bool edge = s.causal && j0 + nk - 1 > r0 / s.G + s.off;
     const bool store = edge || !folded;
     bool rescale = false;
@@ -815,8 +892,7 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
         const vf p0 = prob(jj), p1 = prob(jj + 1);
         sum += p0;
         sum += p1;
-        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0);
-        _mm512_storeu_si512(pv + (jj / 2) * 2 * R + 2 * g, _mm512_permutexvar_epi16(pair_idx, h));
+        _mm512_storeu_si512(pv + (jj / 2) * 2 * R + 2 * g, amx_key_pair(p0, p1));
       }
       const vf cr = from_bits(as_bits(exp_nonpos_t((mo - mx) * esc)) & seen);
       vstore(l + g, vload(l + g) * cr + sum);
@@ -827,40 +903,7 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
     if (rescale)
       for (int64_t d = 0; d < Dq; ++d)
         for (int64_t g = 0; g < Np; g += kVW) vstore(OT + d * R + g, vload(OT + d * R + g) * vload(corr + g));
-    const uint16_t* vt = kv.vt.data() + j0;
-    for (int64_t d0 = 0; d0 < Dq; d0 += 16) {  // O^T += V^T P^T, 16 head dims at a time
-      _tile_loadd(0, OT + d0 * R, 4 * R);
-      _tile_loadd(1, OT + d0 * R + 16, 4 * R);
-      if (QT == 3) _tile_loadd(2, OT + d0 * R + 32, 4 * R);
-      for (int64_t t = 0; t < nk32 / 32; ++t) {
-        const uint16_t* va = vt + d0 * Lkp + t * 32;
-        const uint16_t* pb = pv + t * 16 * 2 * R;
-        if (t % 2 == 0) {
-          _tile_loadd(3, va, Lkp * 2);
-          _tile_loadd(4, pb, 4 * R);
-          _tile_dpbf16ps(0, 3, 4);
-          _tile_loadd(5, pb + 32, 4 * R);
-          _tile_dpbf16ps(1, 3, 5);
-          if (QT == 3) {
-            _tile_loadd(6, pb + 64, 4 * R);
-            _tile_dpbf16ps(2, 3, 6);
-          }
-        } else {
-          _tile_loadd(7, va, Lkp * 2);
-          _tile_loadd(4, pb, 4 * R);
-          _tile_dpbf16ps(0, 7, 4);
-          _tile_loadd(5, pb + 32, 4 * R);
-          _tile_dpbf16ps(1, 7, 5);
-          if (QT == 3) {
-            _tile_loadd(6, pb + 64, 4 * R);
-            _tile_dpbf16ps(2, 7, 6);
-          }
-        }
-      }
-      _tile_stored(0, OT + d0 * R, 4 * R);
-      _tile_stored(1, OT + d0 * R + 16, 4 * R);
-      if (QT == 3) _tile_stored(2, OT + d0 * R + 32, 4 * R);
-    }
+    amx_dims_x_rows(kv.vt.data() + j0, Lkp, pv, OT, R, nk32 / 32, QT, Dq);  // O^T += V^T P^T
   }
   for (int64_t r = 0; r < R; ++r) m[r] = m[r] * esc[0];  // the max of the scaled scores (-inf stays)
   float* O = St;  // [R][Dp], over S^T and the bf16 buffers after it (all done with)
@@ -1118,9 +1161,192 @@ void attention_backward_fused(const to_op_call& c, const AttnShape& s, int64_t i
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Note [AMX attention backward]
+// The amx level's bf16 backward: FlashAttention-2's five products on AMX
+// tiles, one (batch, kv head) item per thread (the fused schedule, chosen
+// for every such call whatever the thread count: ints[6] == 3, cpu_backend.cpp), key
+// blocks of kAttnAmxBackwardKeys outside, row tiles inside, as
+// attention_backward_fused.
+// With the rows in the lanes (as the forward):
+// - S^T = K Q^T and dP^T = V dO^T (amx_keys_x_rows: K's and V's rows as A
+//   tiles; Q^T and dO^T packed once per row tile);
+// - P^T = exp(scale S^T - lse) and dS^T = P^T (dP^T - Delta) scale in fp32,
+//   rounded to bf16 three ways: P^T and dS^T keys x rows (A tiles of the
+//   next two products), dS^T as key pairs per row (B of the last);
+// - dV += P^T dO and dK += dS^T Q (rows as the shared dimension: dO and Q
+//   packed as row pairs), in fp32 per key block;
+// - dQ^T += K^T dS^T (amx_dims_x_rows, K^T packed per item), fp32 for all
+//   of the item's rows, transposed once at the end.
+// Delta = rowsum(dO * O) in fp32 from the bf16 tensors. Every sum runs in
+// one fixed order on one thread: the same bits at any thread count.
+struct AmxBwdKv {
+  std::vector<uint16_t> k, v, kt, tile;
+};
+
+// rows [kAttnRows][Dq] into the B layout of a product over rows:
+// dst [32][2 Dq], dst[p][2d + e] = rows[2p + e][d]; pairs past the tile zero.
+inline void amx_pack_row_pairs(const uint16_t* rows, int64_t Dq, uint16_t* dst) {
+  constexpr int64_t R = kAttnRows;
+  alignas(64) static constexpr uint16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                   8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  for (int64_t p = 0; p < R / 2; ++p)
+    for (int64_t d = 0; d < Dq; d += 32) {
+      const __m512i a = _mm512_loadu_si512(rows + 2 * p * Dq + d), b = _mm512_loadu_si512(rows + (2 * p + 1) * Dq + d);
+      _mm512_storeu_si512(dst + p * 2 * Dq + 2 * d, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(dst + p * 2 * Dq + 2 * d + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  std::memset(dst + (R / 2) * 2 * Dq, 0, size_t(32 - R / 2) * 2 * Dq * 2);
+}
+
+// C [n16][Dq] (fp32, keys x head dims) += A B over the row tile's rows
+// (steps of 32): A [n16][64] bf16 keys x rows (P^T or dS^T), B the rows as
+// pairs (amx_pack_row_pairs of dO or Q).
+inline void amx_keys_x_dims(const uint16_t* a, const uint16_t* bp, float* c, int64_t n16, int64_t steps, int64_t Dq) {
+  for (int64_t kt = 0; kt < n16; kt += 16)
+    for (int64_t d0 = 0; d0 < Dq; d0 += 32) {
+      float* cc = c + kt * Dq + d0;
+      _tile_loadd(0, cc, Dq * 4);
+      _tile_loadd(1, cc + 16, Dq * 4);
+      for (int64_t t = 0; t < steps; ++t) {
+        _tile_loadd(2, a + kt * 64 + t * 32, 128);
+        _tile_loadd(3, bp + t * 16 * 2 * Dq + 2 * d0, Dq * 4);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_loadd(4, bp + t * 16 * 2 * Dq + 2 * d0 + 32, Dq * 4);
+        _tile_dpbf16ps(1, 2, 4);
+      }
+      _tile_stored(0, cc, Dq * 4);
+      _tile_stored(1, cc + 16, Dq * 4);
+    }
+}
+
+// scratch: attention_amx_backward_scratch_floats (attention_tiles.h)
+void attention_backward_amx(const to_op_call& c, const AttnShape& s, int64_t i0, int64_t i1, float* scratch) {
+  const to_tensor &dout = c.inputs[0], &q = c.inputs[1], &k = c.inputs[2], &v = c.inputs[3], &o = c.inputs[4],
+                  &lse = c.inputs[5], &dq = c.outputs[0], &dk = c.outputs[1], &dv = c.outputs[2];
+  constexpr int64_t R = kAttnRows, K = kAttnAmxBackwardKeys;
+  const int64_t Dq = amx_dq(s.Dm), rp = s.row_tiles * R, Lkp = (s.Lk + K - 1) / K * K, pack = (R + 64) * Dq;
+  float *dQt = scratch, *L = dQt + Dq * rp, *Delta = L + rp, *lim = Delta + rp, *packs = lim + rp,
+        *St = packs + s.row_tiles * pack, *dPt = St + K * R, *dKa = dPt + K * R, *dVa = dKa + K * Dq,
+        *tmp = dVa + K * Dq;
+  uint16_t *Pt = reinterpret_cast<uint16_t*>(tmp + 2 * Dq), *dSt = Pt + K * 64, *dSv = dSt + K * 64,
+           *rowbuf = dSv + K * R;
+  static thread_local AmxBwdKv kv;
+  if (int64_t(kv.k.size()) < Lkp * Dq)
+    kv.k.resize(size_t(Lkp * Dq)), kv.v.resize(size_t(Lkp * Dq)), kv.kt.resize(size_t(Lkp * Dq));
+  if (int64_t(kv.tile.size()) < K * Dq) kv.tile.resize(size_t(K * Dq));
+  const float ninf = -__builtin_inff();
+  const vf scale = splat<vf>(s.scale);
+  amx_load_tile_config();
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t b = it / s.Hkv, kvh = it % s.Hkv;
+    amx_pack_key_rows(s, k.data, b, kvh, Lkp, Dq, kv.k.data());
+    amx_pack_key_rows(s, v.data, b, kvh, Lkp, Dq, kv.v.data());
+    amx_pack_key_cols(s, k.data, b, kvh, Lkp, Dq, kv.kt.data(), kv.tile.data());
+    // every row tile's Q and dO (both layouts), lse, Delta and limits, once
+    for (int64_t t = 0; t < s.row_tiles; ++t) {
+      const int64_t r0 = t * R, nr = min64(R, s.rows - r0);
+      uint16_t* pk = reinterpret_cast<uint16_t*>(packs + t * pack);
+      uint16_t *qv = pk, *dov = qv + R * Dq, *qr = dov + R * Dq, *dor = qr + 64 * Dq;
+      for (int src = 0; src < 2; ++src) {
+        const uint16_t* base = static_cast<const uint16_t*>(src ? dout.data : q.data);
+        for (int64_t r = 0; r < R; ++r) {
+          uint16_t* d = rowbuf + r * Dq;
+          const int64_t n = r < nr ? s.Dm : 0;
+          if (n) std::memcpy(d, base + s.row_offset(b, kvh, r0 + r), size_t(n) * 2);
+          std::memset(d + n, 0, size_t(Dq - n) * 2);
+        }
+        amx_pack_dims(rowbuf, Dq, src ? dov : qv);
+        amx_pack_row_pairs(rowbuf, Dq, src ? dor : qr);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        if (r >= nr) {
+          L[r0 + r] = 0, Delta[r0 + r] = 0, lim[r0 + r] = ninf;
+          continue;
+        }
+        ld<DType::BFloat16>(o.data, s.row_offset(b, kvh, r0 + r), s.Dm, tmp);
+        ld<DType::BFloat16>(dout.data, s.row_offset(b, kvh, r0 + r), s.Dm, tmp + Dq);
+        float dsum = 0;
+        for (int64_t d = 0; d < s.Dm; ++d) dsum += tmp[d] * tmp[Dq + d];
+        const float l = static_cast<const float*>(lse.data)[s.lse_index(b, kvh, r0 + r)];
+        Delta[r0 + r] = dsum;
+        L[r0 + r] = l == ninf ? 0.0f : l;
+        lim[r0 + r] = l == ninf ? ninf : s.limit(r0 + r);
+      }
+    }
+    zero_f(dQt, Dq * rp);
+    for (int64_t j0 = 0; j0 < s.Lk; j0 += K) {
+      const int64_t nk = min64(K, s.Lk - j0);
+      zero_f(dKa, 2 * K * Dq);  // dK and dV
+      int64_t first = 0;  // the first packed row that can see key j0: position j0 - off
+      if (s.causal) first = (j0 - s.off) * s.G;
+      if (first < 0) first = 0;
+      for (int64_t r0 = first / R * R; r0 < s.rows; r0 += R) {
+        const int64_t nr = min64(R, s.rows - r0), ne = min64(nk, s.key_end(r0 + nr) - j0);
+        if (ne <= 0) continue;
+        const int64_t Np = attn_pad(nr), QT = Np / 16, ne32 = (ne + 31) / 32 * 32, steps = (Np + 31) / 32;
+        const uint16_t* pk = reinterpret_cast<const uint16_t*>(packs + (r0 / R) * pack);
+        const uint16_t *qv = pk, *dov = qv + R * Dq, *qr = dov + R * Dq, *dor = qr + 64 * Dq;
+        amx_keys_x_rows(kv.k.data() + j0 * Dq, qv, St, ne32, QT, Dq);    // S^T = K Q^T
+        amx_keys_x_rows(kv.v.data() + j0 * Dq, dov, dPt, ne32, QT, Dq);  // dP^T = V dO^T
+        if (Np < 64)
+          for (int64_t j = 0; j < ne32; ++j) {
+            std::memset(Pt + j * 64 + Np, 0, size_t(64 - Np) * 2);
+            std::memset(dSt + j * 64 + Np, 0, size_t(64 - Np) * 2);
+          }
+        for (int64_t g = 0; g < Np; g += kVW) {
+          const vf lr = vload(L + r0 + g), dr = vload(Delta + r0 + g), lm = vload(lim + r0 + g);
+          // keys past ne (the last 32-key step's padding) get zero rows
+          auto grads = [&](int64_t j, vf& p, vf& ds) {
+            p = vf{}, ds = vf{};
+            if (j < ne) {
+              p = masked_exp(vload(St + j * R + g) * scale - lr, splat<vf>(float(j0 + j)), lm);
+              ds = p * (vload(dPt + j * R + g) - dr) * scale;
+            }
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(Pt + j * 64 + g), (__m256i)_mm512_cvtneps_pbh((__m512)p));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dSt + j * 64 + g), (__m256i)_mm512_cvtneps_pbh((__m512)ds));
+          };
+          for (int64_t j = 0; j < ne32; j += 2) {
+            vf p0, ds0, p1, ds1;
+            grads(j, p0, ds0);
+            grads(j + 1, p1, ds1);
+            _mm512_storeu_si512(dSv + (j / 2) * 2 * R + 2 * g, amx_key_pair(ds0, ds1));
+          }
+        }
+        const int64_t n16 = (ne + 15) / 16 * 16;
+        amx_keys_x_dims(Pt, dor, dVa, n16, steps, Dq);   // dV += P^T dO
+        amx_keys_x_dims(dSt, qr, dKa, n16, steps, Dq);   // dK += dS^T Q
+        amx_dims_x_rows(kv.kt.data() + j0, Lkp, dSv, dQt + r0, rp, ne32 / 32, QT, Dq);  // dQ^T += K^T dS^T
+      }
+      const int64_t base = ((b * s.Hkv + kvh) * s.Lk + j0) * s.Dm;
+      for (int64_t j = 0; j < nk; ++j) {
+        st<DType::BFloat16>(dKa + j * Dq, dk.data, base + j * s.Dm, s.Dm);
+        st<DType::BFloat16>(dVa + j * Dq, dv.data, base + j * s.Dm, s.Dm);
+      }
+    }
+    float* rows16 = St;  // [16][Dq], over S^T and dP^T
+    for (int64_t r = 0; r < s.rows; r += 16) {
+      for (int64_t d = 0; d < Dq; d += 16) transpose16x16(dQt + d * rp + r, rp, rows16 + d, Dq);
+      for (int64_t x = 0; x < 16 && r + x < s.rows; ++x)
+        st<DType::BFloat16>(rows16 + x * Dq, dq.data, s.row_offset(b, kvh, r + x), s.Dm);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 template <DType D>
 int attention_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   const AttnShape s(c.inputs[1], c.inputs[2], c);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (D == DType::BFloat16 && c.ints[6] == 3) {
+    attention_backward_amx(c, s, i0, i1, scratch);
+    return 0;
+  }
+#endif
   if (c.ints[6] == 0)
     attention_backward_kv<D>(c, s, i0, i1, scratch);
   else if (c.ints[6] == 1)

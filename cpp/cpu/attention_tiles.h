@@ -8,8 +8,9 @@ namespace tensor_ops::cpu {
 
 constexpr int64_t kAttnRows = 48;   // query rows per tile (a multiple of 6 and 16)
 constexpr int64_t kAttnKeys = 64;   // keys per tile (a multiple of 16)
-constexpr int64_t kAttnLanes = 16;
-constexpr int64_t kAttnAmxKeys = 256;  // keys per block of the AMX forward (a multiple of 64)  // head_dim and tile columns are padded to a multiple of this
+constexpr int64_t kAttnLanes = 16;  // head_dim and tile columns are padded to a multiple of this
+constexpr int64_t kAttnAmxKeys = 256;          // keys per block of the AMX forward (a multiple of 64)
+constexpr int64_t kAttnAmxBackwardKeys = 128;  // and of its backward (a multiple of 64)
 
 inline int64_t attn_pad(int64_t n) { return (n + kAttnLanes - 1) / kAttnLanes * kAttnLanes; }
 
@@ -33,6 +34,17 @@ inline int64_t attention_backward_scratch_floats(int64_t head_dim) {
 inline int64_t attention_fused_backward_scratch_floats(int64_t rows, int64_t head_dim) {
   const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys, rp = (rows + R - 1) / R * R;
   return 3 * rp * Dp + 3 * rp + 5 * K * Dp + 2 * R * K + 2 * R * Dp + Dp;
+}
+
+// The amx level's bf16 backward (attention_backward_amx): dQ^T, lse, Delta
+// and limits for all rows, each row tile's Q and dO packed two ways, one key
+// block's S^T, dP^T, dK and dV in fp32, its P^T and dS^T in bf16, a row tile
+// of bf16 rows (head_dim padded to 32).
+inline int64_t attention_amx_backward_scratch_floats(int64_t rows, int64_t head_dim) {
+  const int64_t R = kAttnRows, K = kAttnAmxBackwardKeys, Dq = (head_dim + 31) / 32 * 32,
+                tiles = (rows + R - 1) / R, rp = tiles * R;
+  return Dq * rp + 3 * rp + tiles * (R + 64) * Dq + 2 * K * R + 2 * K * Dq + 2 * Dq +
+         (2 * K * 64 + K * R + R * Dq) / 2 + 16;
 }
 
 }  // namespace tensor_ops::cpu

@@ -286,7 +286,7 @@ Split split_of(const to_op_call& c) {
     // Attention items are tiles (attention_flash.h): packed query row tiles
     // per (batch, kv head), and for the backward's phase 0 (ints[6] == 0)
     // key tiles; each is worth a chunk of its own. The fused backward
-    // (ints[6] == 2) takes whole (batch, kv head) items.
+    // (ints[6] == 2, and 3 on AMX tiles) takes whole (batch, kv head) items.
     case OpId::attention:
     case OpId::attention_backward: {
       const to_tensor& q = c.inputs[op == OpId::attention ? 0 : 1];
@@ -294,6 +294,8 @@ Split split_of(const to_op_call& c) {
       const int64_t B = q.shape[0], Hkv = k.shape[1], rows = q.shape[1] / Hkv * q.shape[2], D = q.shape[3];
       if (op == OpId::attention_backward && c.ints[6] == 2)
         return {B * Hkv, int64_t(1) << 20, attention_fused_backward_scratch_floats(rows, D)};
+      if (op == OpId::attention_backward && c.ints[6] == 3)
+        return {B * Hkv, int64_t(1) << 20, attention_amx_backward_scratch_floats(rows, D)};
       const bool key_tiles = op == OpId::attention_backward && c.ints[6] == 0;
       const int64_t tiles = key_tiles ? (k.shape[2] + kAttnKeys - 1) / kAttnKeys : (rows + kAttnRows - 1) / kAttnRows;
       const int64_t scratch =
@@ -332,6 +334,17 @@ bool fused_attention_backward(const to_op_call& c) {
   return (items + threads - 1) / threads * threads * 5 <= items * 7 && bytes <= (int64_t(256) << 20);
 }
 
+// The amx level runs a bf16 backward on AMX tiles, fused (ints[6] == 3:
+// Note [AMX attention backward], attention_flash.h) whatever the thread
+// count, so the choice never changes a result; unless one item's scratch
+// passes 64 MiB (rows x head_dim past ~4M), which leaves the fp32 kernels.
+bool amx_attention_backward(const to_op_call& c, const IsaKernels* k) {
+  const to_tensor &q = c.inputs[1], &kt = c.inputs[2];
+  if (std::strcmp(k->name, "amx") != 0 || dt_of(q) != DType::BFloat16) return false;
+  const int64_t rows = q.shape[1] / kt.shape[1] * q.shape[2];
+  return attention_amx_backward_scratch_floats(rows, q.shape[3]) * 4 <= (int64_t(64) << 20);
+}
+
 // Runs an item kernel over the pool's threads. Each chunk gets its own
 // scratch (ChunkScratch); the norm backward ops then sum the chunks' dweight
 // (and dbias) partials and store them in the weight's dtype.
@@ -347,7 +360,9 @@ to_status run_items(const to_op_call* call) {
               big.data && streaming(big.shape[0] * big.shape[1] * int64_t(dtype_size(dt_of(big)))) &&
               (!elementwise || elementwise_streams(op, dt_of(big), c.ints[0]));
   const IsaKernels* k = level().load();
-  if (op == OpId::attention_backward && fused_attention_backward(c)) {
+  if (op == OpId::attention_backward && amx_attention_backward(c, k)) {
+    c.ints[6] = 3;
+  } else if (op == OpId::attention_backward && fused_attention_backward(c)) {
     c.ints[6] = 2;
   } else if (op == OpId::attention_backward) {  // two phases: dK / dV per key tile, then dQ per row tile
     c.ints[6] = 0;
@@ -417,9 +432,9 @@ to_status run_phase(const to_op_call& c, const IsaKernels* k) {
   int64_t chunks = std::min<int64_t>(int64_t(pool.num_threads()) * ThreadPool::kChunksPerThread,
                                      std::max<int64_t>(1, sp.items / grain));
   // fused attention backward: equal items, one chunk (and scratch) per thread
-  if (op == OpId::attention_backward && c.ints[6] == 2) chunks = std::min<int64_t>(sp.items, pool.num_threads());
+  if (op == OpId::attention_backward && c.ints[6] >= 2) chunks = std::min<int64_t>(sp.items, pool.num_threads());
   if (sp.items == 0) chunks = 1;
-  ChunkScratch scratch(size_t(chunks * sp.scratch), op == OpId::attention_backward);
+  ChunkScratch scratch(size_t(chunks * sp.scratch), op == OpId::attention_backward && c.ints[6] != 3);
   std::atomic<int> bad{0};
   pool.parallel_for(chunks, 1, [&](int64_t b, int64_t e) {
     for (int64_t ci = b; ci < e; ++ci) {

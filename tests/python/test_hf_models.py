@@ -209,7 +209,7 @@ def test_bf16_prefill_attention_follows_the_half_gemm_policy(mode, monkeypatch):
         layers = len(attention_modules(model))
         reported = any("attention with more than one query on torch's SDPA" in a
                        for a in result.optimizations_applied)
-        # on the amx CPU level a bf16 prefill that needs no gradient runs ours (AMX tiles)
+        # on the amx CPU level a bf16 prefill without a mask runs ours (AMX tiles)
         sdpa = mode == "native" and not hf.amx_half_attention(torch.bfloat16)
         assert rel(ours16, ref32) <= max(2 * rel(hf16, ref32), 1e-2)
         assert reported == (mode == "native")
@@ -219,11 +219,12 @@ def test_bf16_prefill_attention_follows_the_half_gemm_policy(mode, monkeypatch):
         model.generate(x[:1], max_new_tokens=3, do_sample=False, pad_token_id=0)
     # prefill: SDPA (native) or ours; the two decode steps: ours
     assert ours == ([1] * 2 * layers if sdpa else [x.shape[1]] * layers + [1] * 2 * layers)
-    if mode == "native":  # a prefill that needs the backward runs SDPA at every level
-        hf.SDPA_HALF_CALLS.clear()
-        model.train()
-        model(x).logits.float().sum().backward()
-        assert hf.SDPA_HALF_CALLS["bfloat16"] == layers
+    # a prefill that needs the backward takes the same route
+    hf.SDPA_HALF_CALLS.clear()
+    model.train()
+    model(x).logits.float().sum().backward()
+    assert hf.SDPA_HALF_CALLS["bfloat16"] == (layers if sdpa else 0)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -370,13 +370,12 @@ def _softcapped_attention(q, k, v, mask, dropout, causal, scale, softcap):
 # with more than one query runs HF's own sdpa_attention_forward (what the
 # original model runs: the same numbers); one-query decode stays on our
 # kernel (1.6x SDPA there, split along the cache). The exception is the amx
-# CPU level (Note [AMX attention], attention_flash.h): its bf16 forward runs
-# on AMX tiles and was 1.0-1.4x SDPA at 1 thread (same shape: causal ~15.5
-# vs ~21 ms, non-causal ~25 vs ~27 ms), so there a bf16 prefill that needs
-# no gradient and has no mask or dropout runs ours; a call that needs the
-# backward still runs SDPA (ours is fp32 FMAs there). The policy is the
-# half GEMMs' (TENSOR_OPS_HALF_GEMM=fp32 keeps our kernel throughout);
-# prepare_model says so.
+# CPU level (Notes [AMX attention] and [AMX attention backward],
+# attention_flash.h): its bf16 forward and backward run on AMX tiles, at
+# 1 thread 1.0-1.4x SDPA forward and 0.9-2.7x forward+backward, so there a
+# bf16 prefill with no mask or dropout runs ours (masked calls still run
+# SDPA). The policy is the half GEMMs' (TENSOR_OPS_HALF_GEMM=fp32 keeps our
+# kernel throughout); prepare_model says so.
 SDPA_HALF_CALLS = collections.Counter()  # dtype name -> calls routed to torch's SDPA
 
 
@@ -386,13 +385,13 @@ def amx_half_attention(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and modules._cpu_isa() == "amx"
 
 
-def native_half_attention(dtype: torch.dtype, forward_only: bool = False) -> bool:
+def native_half_attention(dtype: torch.dtype, plain: bool = False) -> bool:
     """Whether a half-precision prefill attention of this dtype on the CPU
-    runs torch's SDPA (Note [native half attention]); forward_only: the call
-    needs no gradient and has no mask or dropout."""
+    runs torch's SDPA (Note [native half attention]); plain: the call has no
+    mask and no dropout."""
     if dtype not in modules._HALF or modules.half_gemm_in_fp32(dtype):
         return False
-    return not (forward_only and amx_half_attention(dtype))
+    return not (plain and amx_half_attention(dtype))
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -407,9 +406,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          softcap=softcap, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
-    forward_only = attention_mask is None and not dropout and not (
-        torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
-    if q_len > 1 and softcap is None and query.is_cpu and native_half_attention(query.dtype, forward_only):
+    plain = attention_mask is None and not dropout
+    if q_len > 1 and softcap is None and query.is_cpu and native_half_attention(query.dtype, plain):
         SDPA_HALF_CALLS[str(query.dtype)[len("torch."):]] += 1
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -463,7 +461,7 @@ def _set_attention(model: nn.Module, warnings: List[str], counts) -> None:
         amx = " / ".join(d for d in natives if amx_half_attention(getattr(torch, d)))
         counts[f"{' / '.join(natives)} attention with more than one query on torch's SDPA: this CPU's native "
                f"{' / '.join(natives)} GEMMs beat our fp32-accumulating kernel there; one-query decode on ours"
-               + (f"; {amx} prefill without gradient, mask or dropout on ours (AMX tiles)" if amx else "")
+               + (f"; {amx} prefill without mask or dropout on ours (AMX tiles)" if amx else "")
                + " (TENSOR_OPS_HALF_GEMM=fp32 keeps ours throughout)"] += 1
     if getattr(config, "attn_logit_softcapping", None) is not None:
         counts["attention logit softcapping on the score-matrix path (torch matmul + our softmax)"] += 1
