@@ -528,6 +528,39 @@ void attention_decode_rows(const to_op_call& c, const AttnShape& s, int64_t b, i
   attn_store_rows<D>(s, o, lse, b, kvh, r0, nr, O, m, l);
 }
 
+// The running max (from mo) of a key tile's scores down columns g.. of
+// S^T [nk][ld] (query rows in the lanes): key j's scores, times mul when
+// Scale, masked to -inf past each row's limit lv on an edge tile, and
+// stored back when store. The max runs in four chains: one chain made this
+// loop wait out vmaxps' latency on every key (the hottest loop outside the
+// products at head_dim 64). The same max as one chain for scores without
+// NaN.
+template <bool Scale>
+TENSOR_OPS_VEC_INLINE vf attn_tile_max(float* St, int64_t ld, int64_t g, int64_t nk, int64_t j0, bool edge,
+                                       bool store, vf mo, vf lv, vf mul) {
+  const vf ninf = splat<vf>(-__builtin_inff());
+  auto score = [&](int64_t j) {
+    float* sp = St + j * ld + g;
+    vf sv = vload(sp);
+    if (Scale) sv = sv * mul;
+    if (edge)
+      sv = (vf)(((vu)(splat<vf>(float(j0 + j)) <= lv) & as_bits(sv)) |
+                ((vu)(splat<vf>(float(j0 + j)) > lv) & as_bits(ninf)));
+    if (store) vstore(sp, sv);
+    return sv;
+  };
+  vf mx = mo, mx1 = mo, mx2 = mo, mx3 = mo;
+  int64_t j = 0;
+  for (; j + 4 <= nk; j += 4) {
+    mx = max_t(mx, score(j));
+    mx1 = max_t(mx1, score(j + 1));
+    mx2 = max_t(mx2, score(j + 2));
+    mx3 = max_t(mx3, score(j + 3));
+  }
+  for (; j < nk; ++j) mx = max_t(mx, score(j));
+  return max_t(max_t(mx, mx1), max_t(mx2, mx3));
+}
+
 // ---- forward: items are (batch, kv head, packed row tile) ----------------
 // scratch (attention_scratch_floats): Q | O (rows x Dp) | K^T (Dp x keys) |
 // V (keys x Dp) | S (rows x keys) | m | l | lim | corr (rows)
@@ -562,29 +595,7 @@ void attention_tile_keys(const to_op_call& c, const AttnShape& s, int64_t b, int
     const bool edge = s.causal && j0 + nk - 1 > r0 / s.G + s.off;
     for (int64_t g = 0; g < Np; g += kVW) {
       const vf mo = vload(m + g), lv = vload(lim + g);
-      auto score = [&](int64_t j) {  // key j's scores, masked on an edge tile
-        float* sp = St + j * R + g;
-        vf sv = vload(sp);
-        if (edge) {
-          sv = (vf)(((vu)(splat<vf>(float(j0 + j)) <= lv) & as_bits(sv)) |
-                    ((vu)(splat<vf>(float(j0 + j)) > lv) & as_bits(splat<vf>(ninf))));
-          vstore(sp, sv);
-        }
-        return sv;
-      };
-      // The max in four chains: one chain made this loop wait out vmaxps'
-      // latency on every key (the hottest loop outside the products at
-      // head_dim 64). The same max for scores without NaN.
-      vf mx = mo, mx1 = mo, mx2 = mo, mx3 = mo;
-      int64_t j = 0;
-      for (; j + 4 <= nk; j += 4) {
-        mx = max_t(mx, score(j));
-        mx1 = max_t(mx1, score(j + 1));
-        mx2 = max_t(mx2, score(j + 2));
-        mx3 = max_t(mx3, score(j + 3));
-      }
-      for (; j < nk; ++j) mx = max_t(mx, score(j));
-      mx = max_t(max_t(mx, mx1), max_t(mx2, mx3));
+      const vf mx = attn_tile_max<false>(St, R, g, nk, j0, edge, edge, mo, lv, vf{});
       const vu seen = (vu)(mx > splat<vf>(ninf));  // rows that have seen a key
       vf sum = {};
       for (int64_t j = 0; j < nk; ++j) {
@@ -860,26 +871,8 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
     bool rescale = false;
     for (int64_t g = 0; g < Np; g += kVW) {
       const vf mo = vload(m + g), lv = vload(lim + g);
-      auto score = [&](int64_t j) {  // key j's scores (times mul), masked on an edge tile
-        float* sp = St + j * R + g;
-        vf sv = vload(sp);
-        if (!folded) sv = sv * mul;
-        if (edge)
-          sv = (vf)(((vu)(splat<vf>(float(j0 + j)) <= lv) & as_bits(sv)) |
-                    ((vu)(splat<vf>(float(j0 + j)) > lv) & as_bits(splat<vf>(ninf))));
-        if (store) vstore(sp, sv);
-        return sv;
-      };
-      vf mx = mo, mx1 = mo, mx2 = mo, mx3 = mo;
-      int64_t j = 0;
-      for (; j + 4 <= nk; j += 4) {
-        mx = max_t(mx, score(j));
-        mx1 = max_t(mx1, score(j + 1));
-        mx2 = max_t(mx2, score(j + 2));
-        mx3 = max_t(mx3, score(j + 3));
-      }
-      for (; j < nk; ++j) mx = max_t(mx, score(j));
-      mx = max_t(max_t(mx, mx1), max_t(mx2, mx3));
+      const vf mx = folded ? attn_tile_max<false>(St, R, g, nk, j0, edge, edge, mo, lv, mul)
+                           : attn_tile_max<true>(St, R, g, nk, j0, edge, true, mo, lv, mul);
       const vu seen = (vu)(mx > splat<vf>(ninf));
       const vf nmx = from_bits(as_bits(-(mx * esc)) & seen);  // -max * esc (0 where -inf: no NaN below)
       auto prob = [&](int64_t jj) -> vf {
