@@ -791,8 +791,7 @@ inline void amx_keys_x_rows(const uint16_t* a, const uint16_t* bv, float* out, i
 // 32 * steps keys: A the head-dim-major keys at (lda elements per head dim:
 // V^T or K^T from amx_pack_key_cols, at the block's first key), B pairs of
 // keys per query row [steps * 16][2 kAttnRows] (P^T or dS^T, two keys
-// interleaved per row). A alternates between tmm3 and tmm7: the next step's
-// load need not wait for this step's products to release the register.
+// interleaved per row).
 inline void amx_dims_x_rows(const uint16_t* at, int64_t lda, const uint16_t* bp, float* c, int64_t ldc,
                             int64_t steps, int64_t QT, int64_t Dq) {
   constexpr int64_t R = kAttnRows;
@@ -803,26 +802,14 @@ inline void amx_dims_x_rows(const uint16_t* at, int64_t lda, const uint16_t* bp,
     for (int64_t t = 0; t < steps; ++t) {
       const uint16_t* va = at + d0 * lda + t * 32;
       const uint16_t* pb = bp + t * 16 * 2 * R;
-      if (t % 2 == 0) {
-        _tile_loadd(3, va, lda * 2);
-        _tile_loadd(4, pb, 4 * R);
-        _tile_dpbf16ps(0, 3, 4);
-        _tile_loadd(5, pb + 32, 4 * R);
-        _tile_dpbf16ps(1, 3, 5);
-        if (QT == 3) {
-          _tile_loadd(6, pb + 64, 4 * R);
-          _tile_dpbf16ps(2, 3, 6);
-        }
-      } else {
-        _tile_loadd(7, va, lda * 2);
-        _tile_loadd(4, pb, 4 * R);
-        _tile_dpbf16ps(0, 7, 4);
-        _tile_loadd(5, pb + 32, 4 * R);
-        _tile_dpbf16ps(1, 7, 5);
-        if (QT == 3) {
-          _tile_loadd(6, pb + 64, 4 * R);
-          _tile_dpbf16ps(2, 7, 6);
-        }
+      _tile_loadd(3, va, lda * 2);
+      _tile_loadd(4, pb, 4 * R);
+      _tile_dpbf16ps(0, 3, 4);
+      _tile_loadd(5, pb + 32, 4 * R);
+      _tile_dpbf16ps(1, 3, 5);
+      if (QT == 3) {
+        _tile_loadd(6, pb + 64, 4 * R);
+        _tile_dpbf16ps(2, 3, 6);
       }
     }
     _tile_stored(0, c + d0 * ldc, 4 * ldc);
