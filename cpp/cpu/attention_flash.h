@@ -650,13 +650,33 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 rows x 64 bytes (tile state is per thread: attention_k
-// loads it in the chunk that uses it and releases it at the chunk's end).
-inline void amx_load_tile_config() {
-  AmxTileConfig c;
-  for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
-  _tile_loadconfig(&c);
-}
+// Our tile configuration while in scope: every tile 16 rows x 64 bytes.
+// Tile state is per thread, and the thread may be one of torch's OpenMP
+// workers whose own AMX kernels (oneDNN's brgemm) configured the tiles and
+// may count on that configuration still being loaded at their next call.
+// So the scope saves the thread's configuration and puts it back at its
+// end (the tiles' data is not kept: no caller keeps data in tiles between
+// kernels), or releases the tiles where none was loaded.
+class AmxTileScope {
+ public:
+  AmxTileScope() {
+    _tile_storeconfig(&saved_);
+    AmxTileConfig c;
+    for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
+  }
+  ~AmxTileScope() {
+    if (saved_.palette != 0)
+      _tile_loadconfig(&saved_);
+    else
+      _tile_release();
+  }
+  AmxTileScope(const AmxTileScope&) = delete;
+  AmxTileScope& operator=(const AmxTileScope&) = delete;
+
+ private:
+  AmxTileConfig saved_;
+};
 
 inline int64_t amx_dq(int64_t Dm) { return (Dm + 31) / 32 * 32; }
 
@@ -905,13 +925,7 @@ int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   // the keys of the (batch, kv head) last packed by this chunk; buffers kept by the thread
   static thread_local AmxKv kv;
   int64_t packed = -1;
-  bool tiles = false;
-  struct Release {
-    bool& on;
-    ~Release() {
-      if (on) _tile_release();
-    }
-  } release{tiles};
+  std::optional<AmxTileScope> tiles;  // configured at the chunk's first AMX row tile
 #endif
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t b = it / (s.Hkv * s.row_tiles), kvh = (it / s.row_tiles) % s.Hkv, t = it % s.row_tiles;
@@ -919,7 +933,7 @@ int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (D == DType::BFloat16 && nr > kNL) {
       if (packed != b * s.Hkv + kvh) amx_pack_kv(s, k.data, v.data, b, kvh, kv), packed = b * s.Hkv + kvh;
-      if (!tiles) amx_load_tile_config(), tiles = true;
+      if (!tiles) tiles.emplace();
       attention_amx_rows(c, s, b, kvh, r0, nr, kv, scratch);
       continue;
     }
@@ -1220,7 +1234,7 @@ void attention_backward_amx(const to_op_call& c, const AttnShape& s, int64_t i0,
   if (int64_t(kv.tile.size()) < K * Dq) kv.tile.resize(size_t(K * Dq));
   const float ninf = -__builtin_inff();
   const vf scale = splat<vf>(s.scale);
-  amx_load_tile_config();
+  AmxTileScope tiles;
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t b = it / s.Hkv, kvh = it % s.Hkv;
     amx_pack_key_rows(s, k.data, b, kvh, Lkp, Dq, kv.k.data());
@@ -1314,7 +1328,6 @@ void attention_backward_amx(const to_op_call& c, const AttnShape& s, int64_t i0,
         st<DType::BFloat16>(rows16 + x * Dq, dq.data, s.row_offset(b, kvh, r + x), s.Dm);
     }
   }
-  _tile_release();
 }
 #endif
 

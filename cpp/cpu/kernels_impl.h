@@ -3,6 +3,7 @@
 // with that level's compiler flags.
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__) || defined(_M_X64)

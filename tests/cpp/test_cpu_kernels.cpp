@@ -5,6 +5,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define TENSOR_OPS_TEST_AMX 1
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -426,6 +431,59 @@ INSTANTIATE_TEST_SUITE_P(AllIsasAllDTypes, KernelTest,
                          ::testing::Combine(::testing::Values("baseline", "avx2", "avx512", "avx512_bf16", "amx"),
                                             ::testing::ValuesIn(kAllDTypes)),
                          kernel_test_name);
+
+#ifdef TENSOR_OPS_TEST_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+__attribute__((target("amx-tile"))) void load_tile_config(const TileConfig* c) { _tile_loadconfig(c); }
+__attribute__((target("amx-tile"))) void store_tile_config(TileConfig* c) { _tile_storeconfig(c); }
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+// The amx level's attention runs on whatever thread calls it, torch's
+// OpenMP workers included, whose own AMX kernels may keep their tile
+// configuration loaded between calls: the forward and the backward put the
+// caller's configuration back (AmxTileScope), and leave the tiles released
+// where none was loaded.
+TEST(CpuAmx, AttentionKeepsTheCallersTileConfiguration) {
+  const std::vector<std::string> levels = cpu::supported_isas();
+  if (std::find(levels.begin(), levels.end(), "amx") == levels.end()) GTEST_SKIP() << "this CPU runs no amx level";
+  const int threads = cpu::num_threads();
+  cpu::set_isa("amx");
+  cpu::set_num_threads(1);  // the kernels run on this thread
+  const int64_t B = 1, H = 2, L = 40, D = 32, n = B * H * L * D;  // 80 packed rows: the AMX row tiles
+  std::vector<HostBuffer> bufs;
+  for (int i = 0; i < 8; ++i) bufs.emplace_back(DType::BFloat16, n);  // q k v out dout dq dk dv
+  std::mt19937 gen(7);
+  std::normal_distribution<float> dist;
+  for (int i = 0; i < 5; ++i)
+    for (int64_t j = 0; j < n; ++j) bufs[size_t(i)].set(j, dist(gen));
+  HostBuffer lse(DType::Float32, B * H * L);
+  auto t4 = [&](int i) { return bufs[size_t(i)].tensor({B, H, L, D}); };
+  TileConfig mine{};
+  mine.palette = 1;
+  for (int i = 0; i < 8; ++i) mine.colsb[i] = 32, mine.rows[i] = 8;
+  for (bool loaded : {true, false}) {
+    if (loaded) load_tile_config(&mine);
+    attention(t4(0), t4(1), t4(2), t4(3), lse.tensor({B, H, L}), kCausalNone, 0.2);
+    attention_backward(t4(4), t4(0), t4(1), t4(2), t4(3), lse.tensor({B, H, L}), t4(5), t4(6), t4(7), kCausalNone,
+                       0.2);
+    TileConfig now{};
+    store_tile_config(&now);
+    if (loaded)
+      EXPECT_EQ(std::memcmp(&now, &mine, sizeof now), 0) << "the caller's tile configuration was not put back";
+    else
+      EXPECT_EQ(now.palette, 0) << "the tiles were left configured";
+    release_tiles();
+  }
+  for (int64_t j = 0; j < n; ++j) ASSERT_TRUE(std::isfinite(bufs[5].get(j))) << "dq element " << j;
+  cpu::set_num_threads(threads);
+  cpu::set_isa("auto");
+}
+#endif
 
 TEST(CpuIsa, LevelsAndSelection) {
   const std::vector<std::string> levels = cpu::supported_isas();
