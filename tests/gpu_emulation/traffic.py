@@ -111,6 +111,23 @@ def cases(dtype):
 
     es = np.dtype(dt).itemsize
     n = ROWS * COLS * es
+
+    def row_ops(cols, rows, full):
+        """The row ops at [rows, cols], named op@cols; full: softmax_backward and silu too."""
+        xs, rs, ws, bs = rand(rows, cols), rand(rows, cols), rand(cols), rand(cols)
+        ts = rng.integers(0, cols, size=rows).astype(np.int64)
+        nbytes = rows * cols * es
+        ops = [("rms_norm", to.rms_norm, (xs, ws), nbytes),
+               ("layer_norm", to.layer_norm, (xs, ws, bs), nbytes),
+               ("add_rms_norm", to.add_rms_norm, (xs, rs, ws), 2 * nbytes),
+               ("softmax", to.softmax, (xs,), nbytes)]
+        if full:
+            ops += [("softmax_backward", to.softmax_backward, (rand(rows, cols), np.asarray(to.softmax(xs))), nbytes),
+                    ("silu", to.silu, (xs,), nbytes)]
+        ops.append(("cross_entropy_with_grad", lambda l, t: to.cross_entropy_with_grad(l, t, reduction="none"),
+                    (xs, ts), rows * 4 + nbytes))
+        return [(f"{name}@{cols}", fn, args, out_bytes) for name, fn, args, out_bytes in ops]
+
     x, dy, res = rand(ROWS, COLS), rand(ROWS, COLS), rand(ROWS, COLS)
     w, b = rand(COLS), rand(COLS)
     y = to.softmax(x)
@@ -148,34 +165,7 @@ def cases(dtype):
         ("attention", lambda *a: to.attention(*a, True, return_lse=True), (qa, ka, va), n_attn + lse_bytes),
         ("attention_backward", lambda *a: to.attention_backward(*a, True), (do_a, qa, ka, va, oa, lse_a),
          n_attn + 2 * ka.nbytes),
-    ] + [
-        (f"{name}@{ODD_COLS}", fn, args, out_bytes)
-        for xo, do, ro, wo, bo, to_, no in [(rand(ROWS, ODD_COLS), rand(ROWS, ODD_COLS), rand(ROWS, ODD_COLS),
-                                             rand(ODD_COLS), rand(ODD_COLS),
-                                             rng.integers(0, ODD_COLS, size=ROWS).astype(np.int64),
-                                             ROWS * ODD_COLS * es)]
-        for name, fn, args, out_bytes in (
-            ("rms_norm", to.rms_norm, (xo, wo), no),
-            ("layer_norm", to.layer_norm, (xo, wo, bo), no),
-            ("add_rms_norm", to.add_rms_norm, (xo, ro, wo), 2 * no),
-            ("softmax", to.softmax, (xo,), no),
-            ("softmax_backward", to.softmax_backward, (do, np.asarray(to.softmax(xo))), no),
-            ("silu", to.silu, (xo,), no),
-            ("cross_entropy_with_grad", lambda l, t: to.cross_entropy_with_grad(l, t, reduction="none"), (xo, to_),
-             ROWS * 4 + no))
-    ] + [
-        (f"{name}@{SHORT_COLS}", fn, args, out_bytes)
-        for xs, rs, ws, bs, ts, ns in [(rand(SHORT_ROWS, SHORT_COLS), rand(SHORT_ROWS, SHORT_COLS), rand(SHORT_COLS),
-                                        rand(SHORT_COLS), rng.integers(0, SHORT_COLS, size=SHORT_ROWS).astype(np.int64),
-                                        SHORT_ROWS * SHORT_COLS * es)]
-        for name, fn, args, out_bytes in (
-            ("rms_norm", to.rms_norm, (xs, ws), ns),
-            ("layer_norm", to.layer_norm, (xs, ws, bs), ns),
-            ("add_rms_norm", to.add_rms_norm, (xs, rs, ws), 2 * ns),
-            ("softmax", to.softmax, (xs,), ns),
-            ("cross_entropy_with_grad", lambda l, t: to.cross_entropy_with_grad(l, t, reduction="none"), (xs, ts),
-             SHORT_ROWS * 4 + ns))
-    ] + [
+    ] + row_ops(ODD_COLS, ROWS, full=True) + row_ops(SHORT_COLS, SHORT_ROWS, full=False) + [
         (f"{name}@{LONG_ROWS}", fn, (dy2, x2, w), LONG_ROWS * COLS * es + extra * COLS * es)
         for name, fn, extra in (("rms_norm_backward", to.rms_norm_backward, 1),
                                 ("layer_norm_backward", to.layer_norm_backward, 2))
