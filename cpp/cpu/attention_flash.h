@@ -189,6 +189,11 @@ struct AttnShape {
     if (!causal) return __builtin_inff();
     return float(r / G + off);
   }
+  // the first packed row that can see key j (position j - off; 0 when not causal)
+  int64_t first_row(int64_t j) const {
+    const int64_t r = causal ? (j - off) * G : 0;
+    return r < 0 ? 0 : r;
+  }
 };
 
 // Rows [r0, r0 + n) (packed) into dst [kAttnRows][ld] fp32, times mul; the
@@ -701,17 +706,28 @@ inline void amx_transpose16x16_u16(const uint16_t* src, int64_t lds, uint16_t* d
   }
 }
 
+// dst [Dq] = src's n elements then zeros (all zeros where src is null).
+inline void amx_copy_padded(uint16_t* dst, const uint16_t* src, int64_t n, int64_t Dq) {
+  if (!src) n = 0;
+  if (n) std::memcpy(dst, src, size_t(n) * 2);
+  std::memset(dst + n, 0, size_t(Dq - n) * 2);
+}
+
 // Keys [0, Lkp) of (b, kvh) from src [.., Lk, Dm] into dst [Lkp][Dq],
 // zero-padded (keys past Lk, head dims past Dm).
 inline void amx_pack_key_rows(const AttnShape& s, const void* src, int64_t b, int64_t kvh, int64_t Lkp, int64_t Dq,
                               uint16_t* dst) {
   const uint16_t* p = static_cast<const uint16_t*>(src) + (b * s.Hkv + kvh) * s.Lk * s.Dm;
-  for (int64_t j = 0; j < Lkp; ++j) {
-    uint16_t* d = dst + j * Dq;
-    const int64_t n = j < s.Lk ? s.Dm : 0;
-    if (n) std::memcpy(d, p + j * s.Dm, size_t(n) * 2);
-    std::memset(d + n, 0, size_t(Dq - n) * 2);
-  }
+  for (int64_t j = 0; j < Lkp; ++j) amx_copy_padded(dst + j * Dq, j < s.Lk ? p + j * s.Dm : nullptr, s.Dm, Dq);
+}
+
+// Packed rows [r0, r0 + nr) of (b, kvh) from src [B, Hq, Lq, Dm] (Q or dO)
+// into dst [kAttnRows][Dq], zero-padded.
+inline void amx_pack_row_tile(const AttnShape& s, const void* src, int64_t b, int64_t kvh, int64_t r0, int64_t nr,
+                              int64_t Dq, uint16_t* dst) {
+  const uint16_t* p = static_cast<const uint16_t*>(src);
+  for (int64_t r = 0; r < kAttnRows; ++r)
+    amx_copy_padded(dst + r * Dq, r < nr ? p + s.row_offset(b, kvh, r0 + r) : nullptr, s.Dm, Dq);
 }
 
 // The same keys transposed: dst [Dq][Lkp], a padded 64-key tile at a time
@@ -721,11 +737,8 @@ inline void amx_pack_key_cols(const AttnShape& s, const void* src, int64_t b, in
   constexpr int64_t K = kAttnKeys;
   const uint16_t* p = static_cast<const uint16_t*>(src) + (b * s.Hkv + kvh) * s.Lk * s.Dm;
   for (int64_t j0 = 0; j0 < Lkp; j0 += K) {
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t n = j0 + j < s.Lk ? s.Dm : 0;
-      if (n) std::memcpy(tile + j * Dq, p + (j0 + j) * s.Dm, size_t(n) * 2);
-      std::memset(tile + j * Dq + n, 0, size_t(Dq - n) * 2);
-    }
+    for (int64_t j = 0; j < K; ++j)
+      amx_copy_padded(tile + j * Dq, j0 + j < s.Lk ? p + (j0 + j) * s.Dm : nullptr, s.Dm, Dq);
     for (int64_t j = 0; j < K; j += 16)
       for (int64_t d = 0; d < Dq; d += 16) amx_transpose16x16_u16(tile + j * Dq + d, Dq, dst + d * Lkp + j0 + j, Lkp);
   }
@@ -852,12 +865,7 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
   uint16_t* qc = pv + K * R;                               // [R][Dq]: the row tile's queries
   uint16_t* qv = qc + R * Dq;                              // [Dq / 2][2R]: Q^T in the B layout
   const float ninf = -__builtin_inff();
-  for (int64_t r = 0; r < R; ++r) {
-    uint16_t* d = qc + r * Dq;
-    const int64_t n = r < nr ? s.Dm : 0;
-    if (n) std::memcpy(d, static_cast<const uint16_t*>(q.data) + s.row_offset(b, kvh, r0 + r), size_t(n) * 2);
-    std::memset(d + n, 0, size_t(Dq - n) * 2);
-  }
+  amx_pack_row_tile(s, q.data, b, kvh, r0, nr, Dq, qc);
   amx_pack_dims(qc, Dq, qv);
   zero_f(OT, Dq * R);
   for (int64_t r = 0; r < R; ++r) m[r] = ninf, l[r] = 0, lim[r] = r < nr ? s.limit(r0 + r) : __builtin_inff();
@@ -971,6 +979,15 @@ int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
 }
 
 // ---- backward -------------------------------------------------------------
+// Packed row r's log-sum-exp from the forward and its causal limit, as the
+// backward uses them: 0 and -inf for a row that saw no key (P = 0 there).
+inline void attn_grad_row_lse(const AttnShape& s, const to_tensor& lse, int64_t b, int64_t kvh, int64_t r, float& L,
+                              float& lim) {
+  const float l = static_cast<const float*>(lse.data)[s.lse_index(b, kvh, r)];
+  L = l == -__builtin_inff() ? 0.0f : l;
+  lim = l == -__builtin_inff() ? -__builtin_inff() : s.limit(r);
+}
+
 // Per packed row tile: Q, dO (rows x Dp), lse, Delta = rowsum(dO * O), and
 // each row's causal limit (-inf for padding rows and rows that saw no key).
 template <DType D>
@@ -988,9 +1005,7 @@ inline void attn_load_grad_rows(const AttnShape& s, const to_op_call& c, int64_t
     float dsum = 0;
     for (int64_t d = 0; d < s.Dm; ++d) dsum += tmp[d] * dO[r * s.Dp + d];
     Delta[r] = dsum;
-    L[r] = static_cast<const float*>(lse.data)[s.lse_index(b, kvh, r0 + r)];
-    lim[r] = L[r] == -__builtin_inff() ? -__builtin_inff() : s.limit(r0 + r);
-    if (L[r] == -__builtin_inff()) L[r] = 0;
+    attn_grad_row_lse(s, lse, b, kvh, r0 + r, L[r], lim[r]);
   }
 }
 
@@ -1008,11 +1023,7 @@ void attention_backward_kv(const to_op_call& c, const AttnShape& s, int64_t i0, 
     attn_load_keys<D>(s, k.data, b, kvh, j0, nk, Kr, Dp, K);
     attn_load_keys<D>(s, v.data, b, kvh, j0, nk, V, Dp, K);
     zero_f(dK, 2 * K * Dp);
-    // the first packed row that can see key j0: position j0 - off
-    int64_t first = 0;
-    if (s.causal) first = (j0 - s.off) * s.G;
-    if (first < 0) first = 0;
-    for (int64_t r0 = first / R * R; r0 < s.rows; r0 += R) {
+    for (int64_t r0 = s.first_row(j0) / R * R; r0 < s.rows; r0 += R) {
       const int64_t nr = min64(R, s.rows - r0);
       attn_load_grad_rows<D>(s, c, b, kvh, r0, nr, Q, dO, L, Delta, lim, tmp);
       attn_transpose(s, Q, Dp, R, Qt);
@@ -1117,10 +1128,7 @@ void attention_backward_fused(const to_op_call& c, const AttnShape& s, int64_t i
       attn_load_keys<D>(s, v.data, b, kvh, j0, nk, Vr, Dp, K);
       attn_transpose(s, Vr, Dp, K, Vt);
       zero_f(dKt, 2 * Dp * K);
-      int64_t first = 0;  // the first packed row that can see key j0: position j0 - off
-      if (s.causal) first = (j0 - s.off) * s.G;
-      if (first < 0) first = 0;
-      for (int64_t r0 = first / R * R; r0 < s.rows; r0 += R) {
+      for (int64_t r0 = s.first_row(j0) / R * R; r0 < s.rows; r0 += R) {
         const int64_t nr = min64(R, s.rows - r0);
         // keys [j0, j0 + ne) may be visible from this row tile (causal: fewer
         // near the diagonal); Ne: those padded to whole column blocks
@@ -1246,13 +1254,7 @@ void attention_backward_amx(const to_op_call& c, const AttnShape& s, int64_t i0,
       uint16_t* pk = reinterpret_cast<uint16_t*>(packs + t * pack);
       uint16_t *qv = pk, *dov = qv + R * Dq, *qr = dov + R * Dq, *dor = qr + 64 * Dq;
       for (int src = 0; src < 2; ++src) {
-        const uint16_t* base = static_cast<const uint16_t*>(src ? dout.data : q.data);
-        for (int64_t r = 0; r < R; ++r) {
-          uint16_t* d = rowbuf + r * Dq;
-          const int64_t n = r < nr ? s.Dm : 0;
-          if (n) std::memcpy(d, base + s.row_offset(b, kvh, r0 + r), size_t(n) * 2);
-          std::memset(d + n, 0, size_t(Dq - n) * 2);
-        }
+        amx_pack_row_tile(s, src ? dout.data : q.data, b, kvh, r0, nr, Dq, rowbuf);
         amx_pack_dims(rowbuf, Dq, src ? dov : qv);
         amx_pack_row_pairs(rowbuf, Dq, src ? dor : qr);
       }
@@ -1265,20 +1267,15 @@ void attention_backward_amx(const to_op_call& c, const AttnShape& s, int64_t i0,
         ld<DType::BFloat16>(dout.data, s.row_offset(b, kvh, r0 + r), s.Dm, tmp + Dq);
         float dsum = 0;
         for (int64_t d = 0; d < s.Dm; ++d) dsum += tmp[d] * tmp[Dq + d];
-        const float l = static_cast<const float*>(lse.data)[s.lse_index(b, kvh, r0 + r)];
         Delta[r0 + r] = dsum;
-        L[r0 + r] = l == ninf ? 0.0f : l;
-        lim[r0 + r] = l == ninf ? ninf : s.limit(r0 + r);
+        attn_grad_row_lse(s, lse, b, kvh, r0 + r, L[r0 + r], lim[r0 + r]);
       }
     }
     zero_f(dQt, Dq * rp);
     for (int64_t j0 = 0; j0 < s.Lk; j0 += K) {
       const int64_t nk = min64(K, s.Lk - j0);
       zero_f(dKa, 2 * K * Dq);  // dK and dV
-      int64_t first = 0;  // the first packed row that can see key j0: position j0 - off
-      if (s.causal) first = (j0 - s.off) * s.G;
-      if (first < 0) first = 0;
-      for (int64_t r0 = first / R * R; r0 < s.rows; r0 += R) {
+      for (int64_t r0 = s.first_row(j0) / R * R; r0 < s.rows; r0 += R) {
         const int64_t nr = min64(R, s.rows - r0), ne = min64(nk, s.key_end(r0 + nr) - j0);
         if (ne <= 0) continue;
         const int64_t Np = attn_pad(nr), QT = Np / 16, ne32 = (ne + 31) / 32 * 32, steps = (Np + 31) / 32;
