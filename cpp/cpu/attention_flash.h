@@ -683,8 +683,6 @@ class AmxTileScope {
   AmxTileConfig saved_;
 };
 
-inline int64_t amx_dq(int64_t Dm) { return (Dm + 31) / 32 * 32; }
-
 // One (batch, kv head)'s keys, padded: K [Lkp][Dq] and V^T [Dq][Lkp] bf16.
 struct AmxKv {
   std::vector<uint16_t> k, vt, tile;

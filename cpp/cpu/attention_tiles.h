@@ -13,12 +13,14 @@ constexpr int64_t kAttnAmxKeys = 256;          // keys per block of the AMX forw
 constexpr int64_t kAttnAmxBackwardKeys = 128;  // and of its backward (a multiple of 64)
 
 inline int64_t attn_pad(int64_t n) { return (n + kAttnLanes - 1) / kAttnLanes * kAttnLanes; }
+// head_dim as the AMX kernels pad it: whole 32-element (64-byte) tile rows
+inline int64_t amx_dq(int64_t head_dim) { return (head_dim + 31) / 32 * 32; }
 
 // Scratch floats per chunk: forward, and the larger of the backward's two phases.
 // The forward's is the larger of the fp32 tile's (attention_tile_keys) and
 // the AMX tile's (attention_amx_rows: head_dim padded to 32, bf16 buffers).
 inline int64_t attention_scratch_floats(int64_t head_dim) {
-  const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys, Dq = (head_dim + 31) / 32 * 32;
+  const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys, Dq = amx_dq(head_dim);
   const int64_t fp32 = 2 * R * Dp + 2 * K * Dp + R * K + 4 * R, amx = 4 * R + 2 * Dq * R + kAttnAmxKeys * R * 3 / 2;
   return fp32 > amx ? fp32 : amx;
 }
@@ -41,7 +43,7 @@ inline int64_t attention_fused_backward_scratch_floats(int64_t rows, int64_t hea
 // block's S^T, dP^T, dK and dV in fp32, its P^T and dS^T in bf16, a row tile
 // of bf16 rows (head_dim padded to 32).
 inline int64_t attention_amx_backward_scratch_floats(int64_t rows, int64_t head_dim) {
-  const int64_t R = kAttnRows, K = kAttnAmxBackwardKeys, Dq = (head_dim + 31) / 32 * 32,
+  const int64_t R = kAttnRows, K = kAttnAmxBackwardKeys, Dq = amx_dq(head_dim),
                 tiles = (rows + R - 1) / R, rp = tiles * R;
   return Dq * rp + 3 * rp + tiles * (R + 64) * Dq + 2 * K * R + 2 * K * Dq + 2 * Dq +
          (2 * K * 64 + K * R + R * Dq) / 2 + 16;

@@ -372,7 +372,8 @@ def _softcapped_attention(q, k, v, mask, dropout, causal, scale, softcap):
 # kernel (1.6x SDPA there, split along the cache). The exception is the amx
 # CPU level (Notes [AMX attention] and [AMX attention backward],
 # attention_flash.h): its bf16 forward and backward run on AMX tiles, at
-# 1 thread 1.0-1.4x SDPA forward and 0.9-2.7x forward+backward, so there a
+# 1 and 2 threads 1.06-1.45x SDPA forward and 1.46-3.21x forward+backward
+# (bench/RESULTS.md, attention), so there a
 # bf16 prefill with no mask or dropout runs ours (masked calls still run
 # SDPA). The policy is the half GEMMs' (TENSOR_OPS_HALF_GEMM=fp32 keeps our
 # kernel throughout); prepare_model says so.
@@ -380,8 +381,8 @@ SDPA_HALF_CALLS = collections.Counter()  # dtype name -> calls routed to torch's
 
 
 def amx_half_attention(dtype: torch.dtype) -> bool:
-    """Whether our CPU attention forward runs this dtype on AMX tiles (the
-    amx ISA level, bfloat16)."""
+    """Whether our CPU attention (forward and backward) runs this dtype on
+    AMX tiles (the amx ISA level, bfloat16)."""
     return dtype == torch.bfloat16 and modules._cpu_isa() == "amx"
 
 
