@@ -269,11 +269,11 @@ Split split_of(const to_op_call& c) {
   switch (op) {
     case OpId::layer_norm: return {rows, cols * item * 2, 2 * cols};
     case OpId::rms_norm_backward:
-    case OpId::layer_norm_backward: return {rows, cols * item * 3, 5 * cols};
+    case OpId::layer_norm_backward: return {rows, cols * item * 3, 3 * cols};
     case OpId::add_rms_norm: return {rows, cols * item * 4, 2 * cols};
     case OpId::softmax:
     case OpId::cross_entropy: return {rows, cols * item * 2, cols};
-    case OpId::softmax_backward: return {rows, cols * item * 3, 2 * cols};
+    case OpId::softmax_backward: return {rows, cols * item * 3, 0};
     case OpId::activation_backward:
     case OpId::glu:
     case OpId::glu_backward:
@@ -355,7 +355,9 @@ to_status run_items(const to_op_call* call) {
   // Streaming stores for the ops whose kernels honour ints[7] (vmapx).
   const to_tensor& big = op == OpId::cross_entropy ? c.outputs[1] : c.outputs[0];
   const bool elementwise = op == OpId::glu || op == OpId::activation_backward;
-  c.ints[7] = (op == OpId::add_rms_norm || op == OpId::softmax || op == OpId::layer_norm || elementwise ||
+  const bool row_op = op == OpId::add_rms_norm || op == OpId::softmax || op == OpId::layer_norm ||
+                      op == OpId::softmax_backward || op == OpId::rms_norm_backward || op == OpId::layer_norm_backward;
+  c.ints[7] = (row_op || elementwise ||
                (op == OpId::cross_entropy && c.ints[1])) &&
               big.data && streaming(big.shape[0] * big.shape[1] * int64_t(dtype_size(dt_of(big)))) &&
               (!elementwise || elementwise_streams(op, dt_of(big), c.ints[0]));
@@ -456,8 +458,8 @@ to_status run_phase(const to_op_call& c, const IsaKernels* k) {
     std::vector<float> sum(size_t(cols) * 2, 0.0f);
     for (int64_t ci = 0; ci < chunks; ++ci)
       for (int64_t j = 0; j < cols; ++j) {
-        sum[size_t(j)] += scratch[size_t(ci * sp.scratch + 3 * cols + j)];
-        sum[size_t(cols + j)] += scratch[size_t(ci * sp.scratch + 4 * cols + j)];
+        sum[size_t(j)] += scratch[size_t(ci * sp.scratch + cols + j)];
+        sum[size_t(cols + j)] += scratch[size_t(ci * sp.scratch + 2 * cols + j)];
       }
     k->from_float(dt_of(c.outputs[1]), sum.data(), c.outputs[1].data, cols);
     if (op == OpId::layer_norm_backward && c.ints[0])

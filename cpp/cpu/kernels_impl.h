@@ -1,6 +1,7 @@
 // The CPU kernels, compiled once per ISA level. The including file defines
 // TENSOR_OPS_ISA_NS (the namespace) and TENSOR_OPS_ISA_NAME, and is built
 // with that level's compiler flags.
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -85,27 +86,52 @@ struct Part {
   }
 };
 
-// Sum of f(i, access) over [0, n): fp32 lanes within a block of kBlock
-// elements, double across blocks (long rows keep their precision).
-template <class F>
-TENSOR_OPS_VEC_INLINE double vsum(int64_t n, F f) {
-  double total = 0;
+// v as it stands, rounded: the compiler may not fuse the product that made
+// it into a later add or subtract (FMA contraction). Where a sum of rounded
+// products is subtracted from one of them (layer_norm's g - mean(g)), an
+// unrounded product leaves its rounding error behind, not 0.
+TENSOR_OPS_VEC_INLINE vf rounded(vf v) {
+#if defined(__AVX512F__)
+  __asm__("" : "+v"(v));
+#elif defined(__SSE__)
+  __asm__("" : "+x"(v));
+#endif
+  return v;
+}
+
+// K sums at once: f(i, access) returns K registers, summed as vsum sums one
+// (fp32 lanes within a block of kBlock elements, double across blocks; two
+// accumulators per sum, the row's tail into the second, its unused lanes
+// dropped). One pass over a row for several of its reductions.
+template <int K, class F>
+TENSOR_OPS_VEC_INLINE std::array<double, K> vsums(int64_t n, F f) {
+  std::array<double, K> total{};
   for (int64_t c = 0; c < n; c += kBlock) {
     const int64_t e = min64(c + kBlock, n);
-    vf a0 = {}, a1 = {};
+    std::array<vf, K> a0{}, a1{};
     int64_t i = c;
     for (; i + 2 * kVW <= e; i += 2 * kVW) {
-      a0 += f(i, Full{});
-      a1 += f(i + kVW, Full{});
+      const std::array<vf, K> u = f(i, Full{}), v = f(i + kVW, Full{});
+      for (int k = 0; k < K; ++k) a0[k] += u[k], a1[k] += v[k];
     }
-    for (; i + kVW <= e; i += kVW) a0 += f(i, Full{});
+    for (; i + kVW <= e; i += kVW) {
+      const std::array<vf, K> u = f(i, Full{});
+      for (int k = 0; k < K; ++k) a0[k] += u[k];
+    }
     if (i < e) {
       const Part a{int(e - i)};
-      a1 += a.keep(f(i, a), 0.0f);
+      const std::array<vf, K> u = f(i, a);
+      for (int k = 0; k < K; ++k) a1[k] += a.keep(u[k], 0.0f);
     }
-    total += double(hsum(a0 + a1));
+    for (int k = 0; k < K; ++k) total[k] += double(hsum(a0[k] + a1[k]));
   }
   return total;
+}
+
+// Sum of f(i, access) over [0, n): vsums of one.
+template <class F>
+TENSOR_OPS_VEC_INLINE double vsum(int64_t n, F f) {
+  return vsums<1>(n, [&](int64_t i, auto a) { return std::array<vf, 1>{f(i, a)}; })[0];
 }
 
 // Max of f(i, access) over [0, n) (-inf when empty). NaN lanes are skipped;

@@ -74,39 +74,53 @@ int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   return 0;
 }
 
-// scratch: x row | dy row | weight | dweight partial | dbias partial (the
-// partials zeroed here: chunk scratch comes unzeroed, cpu_backend.cpp)
+// scratch: weight | dweight partial | dbias partial (the partials zeroed
+// here: chunk scratch comes unzeroed, cpu_backend.cpp). Two passes over a
+// row for rms_norm, three for layer_norm (its variance about the mean, as
+// the forward's), each after the first from cache: the sums, then dx (and
+// the partials) from registers.
 template <DType D, bool Layer>
 int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   const to_tensor &dy = c.inputs[0], &x = c.inputs[1], &w = c.inputs[2], &dx = c.outputs[0];
   const int64_t cols = x.shape[1];
-  float *xb = scratch, *gb = scratch + cols, *wf = scratch + 2 * cols, *dw = scratch + 3 * cols,
-        *db = scratch + 4 * cols;
+  float *wf = scratch, *dw = scratch + cols, *db = scratch + 2 * cols;
   ld<D>(w.data, 0, cols, wf);
   if (const float offset = Layer ? 0.0f : float(c.scalars[1]); offset != 0)  // rms_norm's offset + w
     for (int64_t i = 0; i < cols; ++i) wf[i] = offset + wf[i];
   for (int64_t i = 0; i < cols; ++i) dw[i] = 0.0f, db[i] = 0.0f;  // this chunk's partials
-  const double eps = c.scalars[0];
+  const double eps = c.scalars[0], n = double(cols);
+  const bool nt = c.ints[7];
   for (int64_t r = r0; r < r1; ++r) {
-    ld<D>(x.data, r * x.strides[0], cols, xb);
-    ld<D>(dy.data, r * dy.strides[0], cols, gb);
-    float mean = 0;
+    const void *xr = row_of<D>(x, r), *gr = row_of<D>(dy, r);
+    // x_hat = (x - mean) rstd, g = dy w (rounded: the same g in the sums and
+    // in dx); c1 = mean(g x_hat), c2 = mean(g).
+    float mean = 0, rstd, c1, c2 = 0;
     if constexpr (Layer) {
-      mean = float(sum_f(xb, cols) / double(cols));
-      for (int64_t i = 0; i < cols; ++i) xb[i] -= mean;
+      mean = float(vsum(cols, [&](int64_t i, auto a) { return ldx<D>(xr, i, a); }) / n);
+      const auto s = vsums<3>(cols, [&](int64_t i, auto a) {
+        const vf d = ldx<D>(xr, i, a) - mean, g = rounded(ldx<D>(gr, i, a) * a.ld(wf + i));
+        return std::array<vf, 3>{d * d, g * d, g};
+      });
+      rstd = float(1.0 / __builtin_sqrt(s[0] / n + eps));
+      c1 = float(s[1] * double(rstd) / n);
+      c2 = float(s[2] / n);
+    } else {
+      const auto s = vsums<2>(cols, [&](int64_t i, auto a) {
+        const vf xv = ldx<D>(xr, i, a);
+        return std::array<vf, 2>{xv * xv, rounded(ldx<D>(gr, i, a) * a.ld(wf + i)) * xv};
+      });
+      rstd = float(1.0 / __builtin_sqrt(s[0] / n + eps));
+      c1 = float(s[1] * double(rstd) / n);
     }
-    const float rstd = float(1.0 / __builtin_sqrt(dot_f(xb, xb, cols) / double(cols) + eps));
-    // xb <- x_hat; dw += dy * x_hat; db += dy; gb <- g = dy * w
-    for (int64_t i = 0; i < cols; ++i) {
-      xb[i] *= rstd;
-      dw[i] += gb[i] * xb[i];
-      if constexpr (Layer) db[i] += gb[i];
-      gb[i] *= wf[i];
-    }
-    const float c1 = float(dot_f(gb, xb, cols) / double(cols));
-    const float c2 = Layer ? float(sum_f(gb, cols) / double(cols)) : 0.0f;
-    for (int64_t i = 0; i < cols; ++i) gb[i] = rstd * (gb[i] - c2 - xb[i] * c1);
-    st<D>(gb, dx.data, r * dx.strides[0], cols);
+    vmapx<D>(row_of<D>(dx, r), cols, nt, [&](int64_t i, auto a) {
+      const vf gy = ldx<D>(gr, i, a);
+      vf xh = ldx<D>(xr, i, a);
+      if constexpr (Layer) xh = xh - mean;
+      xh = xh * rstd;
+      a.st(dw + i, a.ld(dw + i) + gy * xh);
+      if constexpr (Layer) a.st(db + i, a.ld(db + i) + gy);
+      return rstd * (rounded(gy * a.ld(wf + i)) - c2 - xh * c1);
+    });
   }
   return 0;
 }
@@ -199,24 +213,24 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   return 0;
 }
 
-// scratch: dy | y
+// Two passes over dy and y (the second from cache), dx from registers.
 template <DType D>
-int softmax_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
+int softmax_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float*) {
   const to_tensor &dy = c.inputs[0], &y = c.inputs[1], &dx = c.outputs[0];
   const int64_t cols = y.shape[1];
   const float scale = float(c.scalars[0]);
-  float *g = scratch, *p = scratch + cols;
+  const bool nt = c.ints[7];
   for (int64_t r = r0; r < r1; ++r) {
-    ld<D>(dy.data, r * dy.strides[0], cols, g);
-    ld<D>(y.data, r * y.strides[0], cols, p);
-    if (c.ints[1]) {
-      const float s = float(sum_f(g, cols));
-      for (int64_t j = 0; j < cols; ++j) g[j] = scale * (g[j] - exp_f32(p[j]) * s);
+    const void *gr = row_of<D>(dy, r), *pr = row_of<D>(y, r);
+    if (c.ints[1]) {  // log_softmax: y is log p
+      const float s = float(vsum(cols, [&](int64_t i, auto a) { return ldx<D>(gr, i, a); }));
+      vmapx<D>(row_of<D>(dx, r), cols, nt,
+               [&](int64_t i, auto a) { return scale * (ldx<D>(gr, i, a) - exp_t(ldx<D>(pr, i, a)) * s); });
     } else {
-      const float s = float(dot_f(g, p, cols));
-      for (int64_t j = 0; j < cols; ++j) g[j] = scale * p[j] * (g[j] - s);
+      const float s = float(vsum(cols, [&](int64_t i, auto a) { return ldx<D>(gr, i, a) * ldx<D>(pr, i, a); }));
+      vmapx<D>(row_of<D>(dx, r), cols, nt,
+               [&](int64_t i, auto a) { return scale * ldx<D>(pr, i, a) * (ldx<D>(gr, i, a) - s); });
     }
-    st<D>(g, dx.data, r * dx.strides[0], cols);
   }
   return 0;
 }
