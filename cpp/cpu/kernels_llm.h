@@ -269,8 +269,7 @@ TENSOR_OPS_VEC_INLINE T act_grad_t(T x) {
   if constexpr (A == 0) {
     return silu_grad_t(x, sigmoid_div_t(x));
   } else if constexpr (A == 1) {
-    const T cdf = 0.5f * erfc_t(x * -0.70710678118654752f);
-    return cdf + x * 0.39894228040143268f * exp_flush_t(-0.5f * x * x);
+    return gelu_cdf_t(x) + x * 0.39894228040143268f * exp_flush_t(-0.5f * x * x);
   } else {
     const float k = 0.79788456080286536f;
     const T u = k * (x + 0.044715f * x * x * x);
