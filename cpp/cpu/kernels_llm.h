@@ -483,8 +483,9 @@ int cross_entropy_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
     const bool keep_e = grad && !softcap;
     const double sum = vsum(C, [&](int64_t i, auto a) {
       if (next) prefetch_l2(next + i * item);
+      if (!keep_e) return exp_nonpos_sum_t(z(i, a) - m);  // no stored e^x: 0 or 2.7e-38 alike
       const vf e = exp_nonpos_t(z(i, a) - m);
-      if (keep_e) a.st(v + i, e);
+      a.st(v + i, e);
       return e;
     });
     const double lse = double(m) + __builtin_log(sum);

@@ -120,18 +120,31 @@ TENSOR_OPS_VEC_INLINE T exp_t(T x) {
 // x - max, whose caller sends rows with a NaN or an infinite max elsewhere.
 // Two operations fewer than exp_t: no upper clamp; a one-step reduction
 // (ln2 rounded to float adds at most 2.4e-7 relative error, at n = -125);
-// and 2^n applied by adding n to the exponent bits, which the clamp at
-// -86.5 keeps a normal number. Below -86.5 the result is exactly 0 (torch's
+// and 2^n as exp_nonpos_sum_t applies it. Below -86.5 the result is exactly 0 (torch's
 // e^x is 0 or a subnormal under 1.6e-38 there): a masked (-inf) column gets
 // probability 0, not e^-86.5 = 2.7e-38.
+// exp_nonpos_t without its select: e^-86.5 = 2.7e-38 below -86.5, not 0.
+// Only for a sum that holds e^0 = 1 (softmax's and cross-entropy's
+// denominators), where that is nothing; two instructions fewer. 2^n applied
+// by adding n to the exponent bits, which the clamp at -86.5 keeps a normal
+// number (vscalefps on AVX-512: one instruction instead of two, the same
+// bits).
 template <class T>
-TENSOR_OPS_VEC_INLINE T exp_nonpos_t(T x) {
+TENSOR_OPS_VEC_INLINE T exp_nonpos_sum_t(T x) {
   const T xc = max_t(splat<T>(-86.5f), x);
   const T t = xc * 1.44269504088896341f + 12582912.0f;
-  const T r = xc - (t - 12582912.0f) * 0.693147182464599609375f;
+  const T n = t - 12582912.0f;
+  const T r = xc - n * 0.693147182464599609375f;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, vf>) return (vf)_mm512_scalef_ps((__m512)exp_poly_t(r), (__m512)n);
+#endif
   // (bits(t) << 23) is n << 23: 1.5 * 2^23's low 9 bits are zero.
-  const T e = from_bits(as_bits(exp_poly_t(r)) + (as_bits(t) << 23));
-  return x < splat<T>(-86.5f) ? splat<T>(0.0f) : e;
+  return from_bits(as_bits(exp_poly_t(r)) + (as_bits(t) << 23));
+}
+
+template <class T>
+TENSOR_OPS_VEC_INLINE T exp_nonpos_t(T x) {
+  return x < splat<T>(-86.5f) ? splat<T>(0.0f) : exp_nonpos_sum_t(x);
 }
 
 // e^x as exp_t, but 0 below exp_t's range (exp_t clamps to e^-87.3 there),
