@@ -291,18 +291,28 @@ inline void with_activation(int64_t a, F f) {
 
 // Elementwise kernels see the views as one flat span of rows * cols
 // elements when cpu_backend.cpp sets ints[3] (all contiguous); otherwise
-// [i0, i1) are rows.
-template <class F>
+// [i0, i1) are rows. f(input offsets (three: the third 0 where there are
+// two), output offsets (as many as outputs, up to two), n) per block of at
+// most kBlock elements; the inputs prefetched a block ahead (Note
+// [elementwise prefetch]).
+template <DType D, class F>
 inline void for_spans(const to_op_call& c, int64_t i0, int64_t i1, F f) {
   const int64_t cols = c.inputs[0].shape[1];
-  if (c.ints[3]) {
-    for (int64_t s = i0; s < i1; s += kBlock) f(s, s, s, s, min64(kBlock, i1 - s));
+  auto block = [&](int64_t r, int64_t s, int64_t n, int64_t rest) {
+    std::array<int64_t, 5> o{};
+    for (int k = 0; k < c.n_inputs && k < 3; ++k) {
+      o[size_t(k)] = r * c.inputs[k].strides[0] + s;
+      prefetch_ahead<D>(static_cast<const char*>(c.inputs[k].data) + o[size_t(k)] * int64_t(dtype_size(D)), n, rest);
+    }
+    for (int k = 0; k < c.n_outputs && k < 2; ++k) o[size_t(3 + k)] = r * c.outputs[k].strides[0] + s;
+    f(o[0], o[1], o[2], o[3], o[4], n);
+  };
+  if (c.ints[3]) {  // flat: every view's stride is cols (or one row), so r * stride + s is s
+    for (int64_t s = i0; s < i1; s += kBlock) block(0, s, min64(kBlock, i1 - s), i1 - s);
     return;
   }
   for (int64_t r = i0; r < i1; ++r)
-    for (int64_t s = 0; s < cols; s += kBlock)
-      f(r * c.inputs[0].strides[0] + s, r * c.inputs[1].strides[0] + s,
-        c.n_inputs > 2 ? r * c.inputs[2].strides[0] + s : 0, r * c.outputs[0].strides[0] + s, min64(kBlock, cols - s));
+    for (int64_t s = 0; s < cols; s += kBlock) block(r, s, min64(kBlock, cols - s), cols - s);
 }
 
 // The backward units read and write in registers (16-bit widened and
@@ -311,7 +321,7 @@ inline void for_spans(const to_op_call& c, int64_t i0, int64_t i1, F f) {
 template <DType D>
 int activation_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
   constexpr int64_t item = dtype_size(D);
-  for_spans(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t n) {
+  for_spans<D>(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t, int64_t n) {
     const void* gp = static_cast<const char*>(c.inputs[0].data) + o0 * item;
     const void* xp = static_cast<const char*>(c.inputs[1].data) + o1 * item;
     void* yp = static_cast<char*>(c.outputs[0].data) + oy * item;
@@ -327,7 +337,7 @@ int activation_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
 template <DType D>
 int glu_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
   const int64_t a = c.ints[0];
-  for_spans(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t n) {
+  for_spans<D>(c, i0, i1, [&](int64_t o0, int64_t o1, int64_t, int64_t oy, int64_t, int64_t n) {
     constexpr int64_t item = dtype_size(D);
     const void* gp = static_cast<const char*>(c.inputs[0].data) + o0 * item;
     const void* up = static_cast<const char*>(c.inputs[1].data) + o1 * item;
@@ -344,7 +354,6 @@ template <DType D>
 int glu_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
   const int64_t a = c.ints[0];
   // inputs: dy, gate, up; outputs: dgate, dup (same layout as dy when flat).
-  const int64_t cols = c.inputs[0].shape[1];
   constexpr int64_t item = dtype_size(D);
   auto at = [](const to_tensor& t, int64_t off) { return static_cast<char*>(t.data) + off * item; };
   auto run = [&](int64_t ody, int64_t og, int64_t ou, int64_t odg, int64_t odu, int64_t n) {
@@ -368,14 +377,7 @@ int glu_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float*) {
       if (i < n) step(i, Part{int(n - i)});
     });
   };
-  if (c.ints[3]) {
-    for (int64_t s = i0; s < i1; s += kBlock) run(s, s, s, s, s, min64(kBlock, i1 - s));
-    return 0;
-  }
-  for (int64_t r = i0; r < i1; ++r)
-    for (int64_t s = 0; s < cols; s += kBlock)
-      run(r * c.inputs[0].strides[0] + s, r * c.inputs[1].strides[0] + s, r * c.inputs[2].strides[0] + s,
-          r * c.outputs[0].strides[0] + s, r * c.outputs[1].strides[0] + s, min64(kBlock, cols - s));
+  for_spans<D>(c, i0, i1, run);
   return 0;
 }
 
