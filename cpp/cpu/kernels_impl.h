@@ -401,6 +401,18 @@ TENSOR_OPS_VEC_INLINE void prefetch_ahead(const void* p, int64_t n, int64_t rest
   for (int64_t i = ahead; i < min64(n + ahead, rest); i += line) prefetch(b + i * item);
 }
 
+// A row op's next row (nullptr after the last of its range), prefetched
+// toward L2 a line per register of its last pass over the current row, which
+// runs from cache: the next row's first pass then reads from L2.
+template <DType D>
+TENSOR_OPS_VEC_INLINE const char* next_row(const to_tensor& t, int64_t r, int64_t r1) {
+  return r + 1 < r1 ? static_cast<const char*>(t.data) + (r + 1) * t.strides[0] * int64_t(dtype_size(D)) : nullptr;
+}
+template <DType D>
+TENSOR_OPS_VEC_INLINE void prefetch_next(const char* next, int64_t i) {
+  if (next) prefetch_l2(next + i * int64_t(dtype_size(D)));
+}
+
 // Storage <-> fp32 for n contiguous elements, a register at a time (the
 // 16-bit types widened / narrowed in lanes, the tail as a partial register).
 template <DType D>

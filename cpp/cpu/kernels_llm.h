@@ -68,8 +68,11 @@ int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
                        }) /
                        double(cols);
     const float rstd = float(1.0 / __builtin_sqrt(var + double(eps)));
-    vmapx<D>(row_of<D>(y, r), cols, c.ints[7],
-             [&](int64_t i, auto a) { return (ldx<D>(xr, i, a) - mean) * rstd * a.ld(wf + i) + a.ld(bf + i); });
+    const char* nx = next_row<D>(x, r, r1);
+    vmapx<D>(row_of<D>(y, r), cols, c.ints[7], [&](int64_t i, auto a) {
+      prefetch_next<D>(nx, i);
+      return (ldx<D>(xr, i, a) - mean) * rstd * a.ld(wf + i) + a.ld(bf + i);
+    });
   }
   return 0;
 }
@@ -112,7 +115,10 @@ int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
       rstd = float(1.0 / __builtin_sqrt(s[0] / n + eps));
       c1 = float(s[1] * double(rstd) / n);
     }
+    const char *nx = next_row<D>(x, r, r1), *ng = next_row<D>(dy, r, r1);
     vmapx<D>(row_of<D>(dx, r), cols, nt, [&](int64_t i, auto a) {
+      prefetch_next<D>(nx, i);
+      prefetch_next<D>(ng, i);
       const vf gy = ldx<D>(gr, i, a);
       vf xh = ldx<D>(xr, i, a);
       if constexpr (Layer) xh = xh - mean;
@@ -151,7 +157,12 @@ int add_rms_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) 
     });
     vmapx<D>(row_of<D>(ro, r), cols, nt, [&](int64_t i, auto p) { return ldraw<D>(a, i, p); });
     const float scale = float(1.0 / __builtin_sqrt(ss / double(cols) + eps));
-    vmapx<D>(row_of<D>(y, r), cols, nt, [&](int64_t i, auto p) { return ldx<D>(a, i, p) * scale * p.ld(wf + i); });
+    const char *nx = next_row<D>(x, r, r1), *nr = next_row<D>(res, r, r1);
+    vmapx<D>(row_of<D>(y, r), cols, nt, [&](int64_t i, auto p) {
+      prefetch_next<D>(nx, i);
+      prefetch_next<D>(nr, i);
+      return ldx<D>(a, i, p) * scale * p.ld(wf + i);
+    });
   }
   return 0;
 }
@@ -222,14 +233,21 @@ int softmax_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float*) {
   const bool nt = c.ints[7];
   for (int64_t r = r0; r < r1; ++r) {
     const void *gr = row_of<D>(dy, r), *pr = row_of<D>(y, r);
+    const char *ng = next_row<D>(dy, r, r1), *np = next_row<D>(y, r, r1);
     if (c.ints[1]) {  // log_softmax: y is log p
       const float s = float(vsum(cols, [&](int64_t i, auto a) { return ldx<D>(gr, i, a); }));
-      vmapx<D>(row_of<D>(dx, r), cols, nt,
-               [&](int64_t i, auto a) { return scale * (ldx<D>(gr, i, a) - exp_t(ldx<D>(pr, i, a)) * s); });
+      vmapx<D>(row_of<D>(dx, r), cols, nt, [&](int64_t i, auto a) {
+        prefetch_next<D>(ng, i);
+        prefetch_next<D>(np, i);
+        return scale * (ldx<D>(gr, i, a) - exp_t(ldx<D>(pr, i, a)) * s);
+      });
     } else {
       const float s = float(vsum(cols, [&](int64_t i, auto a) { return ldx<D>(gr, i, a) * ldx<D>(pr, i, a); }));
-      vmapx<D>(row_of<D>(dx, r), cols, nt,
-               [&](int64_t i, auto a) { return scale * ldx<D>(pr, i, a) * (ldx<D>(gr, i, a) - s); });
+      vmapx<D>(row_of<D>(dx, r), cols, nt, [&](int64_t i, auto a) {
+        prefetch_next<D>(ng, i);
+        prefetch_next<D>(np, i);
+        return scale * ldx<D>(pr, i, a) * (ldx<D>(gr, i, a) - s);
+      });
     }
   }
   return 0;
