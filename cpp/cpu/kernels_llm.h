@@ -421,6 +421,31 @@ int rope_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
     if (p < 0 || p >= P) return 1;
     ld<D>(cs.data, p * cs.strides[0], half, cv);
     ld<D>(sn.data, p * sn.strides[0], half, sv);
+    if (!inter) {
+      // rotate_half pairs (i, i + half): both halves in registers, x read
+      // before y is written (y may be x), the next position prefetched.
+      const char* nx = it + 1 < i1 ? row_of<D>(x, 0) + ((it + 1) * H * Dm) * int64_t(dtype_size(D)) : nullptr;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t off = ((b * S + s) * H + h) * Dm;
+        const char* xr = row_of<D>(x, 0) + off * int64_t(dtype_size(D));
+        char* yr = row_of<D>(y, 0) + off * int64_t(dtype_size(D));
+        auto step = [&](int64_t i, auto a) {
+          prefetch_next<D>(nx, h * Dm + i);
+          prefetch_next<D>(nx, h * Dm + half + i);
+          const vf x1 = ldx<D>(xr, i, a), x2 = ldx<D>(xr, i + half, a), co = a.ld(cv + i),
+                   si = a.ld(sv + i) * sign;
+          stx<D>(yr, i, x1 * co - x2 * si, a);
+          stx<D>(yr, i + half, x2 * co + x1 * si, a);
+        };
+        int64_t i = 0;
+        for (; i + kVW <= half; i += kVW) step(i, Full{});
+        if (i < half) step(i, Part{int(half - i)});
+        if (const int64_t r = 2 * half; r < Dm)  // partial rotary: the rest as it is
+          vmapx<D>(yr + r * int64_t(dtype_size(D)), Dm - r, false,
+                   [&](int64_t j, auto a) { return ldraw<D>(xr + r * int64_t(dtype_size(D)), j, a); });
+      }
+      continue;
+    }
     for (int64_t h = 0; h < H; ++h) {
       const int64_t off = ((b * S + s) * H + h) * Dm;
       ld<D>(x.data, off, Dm, v);
