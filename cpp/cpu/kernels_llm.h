@@ -208,9 +208,9 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
     } else if (valid > 0) {
       // v = exp(scale x - m) and its sum in one pass (compute-bound: the
       // next row is prefetched meanwhile); y = v / sum from registers.
-      const char* next = r + 1 < r1 ? row_of<D>(x, r + 1) : nullptr;
+      const char* next = next_row<D>(x, r, r1);
       const double sum = vsum(valid, [&](int64_t i, auto a) {
-        if (next) prefetch(next + i * item);
+        prefetch_next<D>(next, i);
         const vf e = exp_nonpos_t(ldx<D>(xr, i, a) * scale - m);
         a.st(v + i, e);
         return e;
