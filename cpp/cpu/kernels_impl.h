@@ -449,7 +449,11 @@ void rms_norm_t(const void* x, int64_t xs, const float* w, void* y, int64_t ys, 
       return t * t;
     });
     const float scale = float(1.0 / __builtin_sqrt(total / double(cols) + double(eps)));
-    vmapx<D>(yr, cols, nt, [&](int64_t i, auto a) { return ldx<D>(xr, i, a) * scale * a.ld(w + i); });
+    const char* nx = r + 1 < r1 ? static_cast<const char*>(x) + (r + 1) * xs * item : nullptr;
+    vmapx<D>(yr, cols, nt, [&](int64_t i, auto a) {
+      prefetch_next<D>(nx, i);
+      return ldx<D>(xr, i, a) * scale * a.ld(w + i);
+    });
   }
 }
 
