@@ -193,25 +193,27 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
     // Pass 1 reads x; the others find the row in cache. A row holding a NaN,
     // or whose max is infinite, is all NaN (as the sum would make it: inf -
     // inf); the others have x - m <= 0 and take exp_nonpos_t.
-    const void* xr = row_of<D>(x, r);
+    // A 16-bit row is widened once (RowF32, into v; the exp pass then
+    // overwrites v[i] with e^x after reading it).
+    const RowF32<D> xr{row_of<D>(x, r), v};
     char* yr = row_of<D>(y, r);
     bool nan = false;
-    const float m = vmax(valid, [&](int64_t i, auto a) { return ldx<D>(xr, i, a) * scale; }, &nan);
+    const float m = vmax(valid, [&](int64_t i, auto a) { return xr.first(i, a) * scale; }, &nan);
     if (valid > 0 && (nan || !__builtin_isfinite(m))) {
       vmapx<D>(yr, valid, nt, [&](int64_t, auto) { return splat<vf>(__builtin_nanf("")); });
     } else if (valid > 0 && log) {
-      const double sum = vsum(valid, [&](int64_t i, auto a) { return exp_nonpos_t(ldx<D>(xr, i, a) * scale - m); });
+      const double sum = vsum(valid, [&](int64_t i, auto a) { return exp_nonpos_t(xr.again(i, a) * scale - m); });
       // (v - m) - log(sum), not v - (m + log(sum)): near the float limit
       // m + log(sum) rounds log(sum) away.
       const float ls = float(__builtin_log(sum));
-      vmapx<D>(yr, valid, nt, [&](int64_t i, auto a) { return (ldx<D>(xr, i, a) * scale - m) - ls; });
+      vmapx<D>(yr, valid, nt, [&](int64_t i, auto a) { return (xr.again(i, a) * scale - m) - ls; });
     } else if (valid > 0) {
       // v = exp(scale x - m) and its sum in one pass (compute-bound: the
       // next row is prefetched meanwhile); y = v / sum from registers.
       const char* next = next_row<D>(x, r, r1);
       const double sum = vsum(valid, [&](int64_t i, auto a) {
         prefetch_next<D>(next, i);
-        const vf e = exp_nonpos_t(ldx<D>(xr, i, a) * scale - m);
+        const vf e = exp_nonpos_t(xr.again(i, a) * scale - m);
         a.st(v + i, e);
         return e;
       });
