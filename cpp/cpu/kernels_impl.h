@@ -406,7 +406,7 @@ TENSOR_OPS_VEC_INLINE void prefetch_ahead(const void* p, int64_t n, int64_t rest
 // runs from cache: the next row's first pass then reads from L2.
 template <DType D>
 TENSOR_OPS_VEC_INLINE const char* next_row(const to_tensor& t, int64_t r, int64_t r1) {
-  return r + 1 < r1 ? static_cast<const char*>(t.data) + (r + 1) * t.strides[0] * int64_t(dtype_size(D)) : nullptr;
+  return r + 1 < r1 ? row_of<D>(t, r + 1) : nullptr;
 }
 template <DType D>
 TENSOR_OPS_VEC_INLINE void prefetch_next(const char* next, int64_t i) {

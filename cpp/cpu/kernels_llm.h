@@ -17,14 +17,6 @@ inline void st(const float* src, void* base, int64_t off, int64_t n) {
   store_f32<D>(src, static_cast<char*>(base) + off * int64_t(dtype_size(D)), n);
 }
 
-inline double sum_f(const float* v, int64_t n) {
-  return vsum(n, [v](int64_t i, auto a) { return a.ld(v + i); });
-}
-
-inline double dot_f(const float* x, const float* y, int64_t n) {
-  return vsum(n, [x, y](int64_t i, auto a) { return a.ld(x + i) * a.ld(y + i); });
-}
-
 // Short dot product (attention head dims): fp32 lanes, no double.
 inline float dot_short(const float* a, const float* b, int64_t n) {
   float acc[16] = {0};
@@ -520,16 +512,15 @@ int cross_entropy_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
   const double eps = c.scalars[1], zl = c.scalars[2];
   const float cap = float(c.scalars[3]), inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
   const bool softcap = cap > 0;
-  constexpr int64_t item = dtype_size(D);
   float* v = scratch;
   // The rest of a row given its max: the loss, then the gradient.
   auto row_loss = [&](int64_t r, int64_t t, float m, const void* xr, char* grow, auto z) {
     float* lrow = static_cast<float*>(loss.data) + r;
     const float zt = softcap ? v[t] : get1<D>(xr, t);
-    const char* next = r + 1 < r1 ? row_of<D>(lg, r + 1) : nullptr;
+    const char* next = next_row<D>(lg, r, r1);
     const bool keep_e = grad && !softcap;
     const double sum = vsum(C, [&](int64_t i, auto a) {
-      if (next) prefetch_l2(next + i * item);
+      prefetch_next<D>(next, i);
       if (!keep_e) return exp_nonpos_sum_t(z(i, a) - m);  // no stored e^x: 0 or 2.7e-38 alike
       const vf e = exp_nonpos_t(z(i, a) - m);
       a.st(v + i, e);
