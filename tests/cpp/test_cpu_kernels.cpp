@@ -451,7 +451,13 @@ __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 TEST(CpuAmx, AttentionKeepsTheCallersTileConfiguration) {
   const std::vector<std::string> levels = cpu::supported_isas();
   if (std::find(levels.begin(), levels.end(), "amx") == levels.end()) GTEST_SKIP() << "this CPU runs no amx level";
-  const int threads = cpu::num_threads();
+  struct Restore {  // the process's level and threads back, on every way out (a failed ASSERT returns early)
+    int threads = cpu::num_threads();
+    ~Restore() {
+      cpu::set_num_threads(threads);
+      cpu::set_isa("auto");
+    }
+  } restore;
   cpu::set_isa("amx");
   cpu::set_num_threads(1);  // the kernels run on this thread
   const int64_t B = 1, H = 2, L = 40, D = 32, n = B * H * L * D;  // 80 packed rows: the AMX row tiles
@@ -480,8 +486,6 @@ TEST(CpuAmx, AttentionKeepsTheCallersTileConfiguration) {
     release_tiles();
   }
   for (int64_t j = 0; j < n; ++j) ASSERT_TRUE(std::isfinite(bufs[5].get(j))) << "dq element " << j;
-  cpu::set_num_threads(threads);
-  cpu::set_isa("auto");
 }
 #endif
 
