@@ -252,6 +252,54 @@ def test_direct_lane_runs_the_binding_for_plain_calls(monkeypatch):
         assert seen["binding"] - before["binding"] == 1 and seen["direct"] == before["direct"]
 
 
+def test_torch_ops_take_the_direct_lane_at_the_autograd_key(monkeypatch):
+    """Note [the autograd key's direct lane]: torch.ops.tensor_ops.<op> with
+    nothing to differentiate runs the binding once, with torch's answer; a
+    call that needs a gradient still records one through torch's autograd
+    kernel; a TorchDispatchMode still sees the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tensor_ops.torch import custom_ops
+
+    seen = _lane_calls(monkeypatch)
+    seen["torch autograd"] = 0
+    assert set(custom_ops.TORCH_AUTOGRAD) >= {"rms_norm", "silu", "gelu"}
+    for name, torch_kernel in list(custom_ops.TORCH_AUTOGRAD.items()):
+        def counted(*a, _kernel=torch_kernel, **k):
+            seen["torch autograd"] += 1
+            return _kernel(*a, **k)
+        monkeypatch.setitem(custom_ops.TORCH_AUTOGRAD, name, counted)
+    x, w = torch.randn(3, 40), torch.rand(40) + 0.5
+    for call, ref in [(lambda: torch.ops.tensor_ops.rms_norm(x, w, 1e-6, 0.0), lambda: F.rms_norm(x, (40,), w, 1e-6)),
+                      (lambda: torch.ops.tensor_ops.silu(x), lambda: F.silu(x)),
+                      (lambda: torch.ops.tensor_ops.gelu(x, "tanh"), lambda: F.gelu(x, approximate="tanh"))]:
+        before = seen["binding"]
+        torch.testing.assert_close(call(), ref(), rtol=1e-5, atol=1e-5)
+        assert seen["binding"] - before == 1 and seen["direct"] == 0 and seen["torch autograd"] == 0
+    xg = x.clone().requires_grad_()
+    y = torch.ops.tensor_ops.silu(xg)
+    assert y.grad_fn is not None and seen["torch autograd"] == 1
+    y.sum().backward()
+    s = torch.sigmoid(x)
+    torch.testing.assert_close(xg.grad, s * (1 + x * (1 - s)), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert torch.ops.tensor_ops.silu(xg).grad_fn is None
+    assert seen["torch autograd"] == 1
+
+    class Recorded(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recorded() as mode:
+        torch.testing.assert_close(torch.ops.tensor_ops.silu(x), F.silu(x))
+    assert torch.ops.tensor_ops.silu.default in mode.ops and seen["torch autograd"] == 2
+
+
 def test_direct_lane_hands_what_it_does_not_take_to_the_public_op(monkeypatch):
     """A strided view, another dim, mixed dtypes, a bad option: the plain
     kernel (through the public op, which copies, converts or words the

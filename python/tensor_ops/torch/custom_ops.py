@@ -2,8 +2,10 @@
 real kernel, a fake kernel (shapes and dtypes only) so torch.compile traces
 through without a graph break, and autograd through our backward kernels.
 
-Note [two ways in]: a torch custom op costs ~25 us of dispatch per call and
-~70 us with autograd (torch 2.13, CPU), more than our small kernels take. So
+Note [two ways in]: a torch custom op's call costs several us of dispatch
+(silu [1, 64], torch 2.13, 1 thread, Xeon: ~4 us with nothing to
+differentiate, Note [the autograd key's direct lane]; ~14 us recording a
+gradient), more than our small kernels take. So
 each differentiable op is also an autograd.Function built from the same
 kernel, setup_context and backward; tensor_ops.torch.functional calls that
 Function for plain tensors in eager mode (about the cost of a torch eager op)
@@ -83,8 +85,8 @@ def _attention_options(q, k, v, causal, scale, causal_alignment):
 # [1, 64] 3.5 us (F.layer_norm 2.3); decode attention [1, 8, 1, 64] over 300
 # keys 30.4 -> 27.0 us (SDPA 29.2), over 1 key 10.3 -> 6.8 us (SDPA 5.6);
 # with a gradient recorded, [1, 4096]: layer_norm 12.2 -> 10.5 us, rms_norm
-# 11.9 -> 10.2. torch.ops' calls gain nothing measurable: torch's Python
-# autograd wrapper (torch/_library/autograd.py) costs ~9-13 us there.
+# 11.9 -> 10.2. torch.ops' calls take the lane at the Autograd key (Note
+# [the autograd key's direct lane]).
 LOWERED = {
     "rms_norm": ("rms_norm", 2, None),
     "layer_norm": ("layer_norm", 3, None),
@@ -103,9 +105,10 @@ LOWERED = {
 # define/impl (schema inferred from the type hints, the kernel registered for
 # CompositeExplicitAutograd: every device), not the torch.library.custom_op
 # decorator, whose Python wrapper costs several us more per call (measured in
-# bench/bench_latency.py; issue 21). Fake kernels and autograd go through the
-# same torch.library.register_fake / register_autograd either way, so
-# torch.compile and autograd see the same op.
+# bench/bench_latency.py; issue 21). Fake kernels go through
+# torch.library.register_fake, autograd through torch's own autograd kernel
+# (what register_autograd registers, behind the direct lane: Note [the
+# autograd key's direct lane]), so torch.compile and autograd see the same op.
 _LIB = torch.library.Library("tensor_ops", "DEF")
 
 
@@ -120,23 +123,80 @@ def direct_lane(lowered, args):
     return None if extra is None else torch_call(entry, args[:n], extra)
 
 
+def _defaults(impl):
+    """impl's parameter defaults, in order (inspect's empty marker for a
+    parameter without one)."""
+    return tuple(p.default for p in inspect.signature(impl).parameters.values())
+
+
+def _filled(args, defaults):
+    """The dispatcher's arguments with the defaults it dropped put back (it
+    leaves out trailing arguments equal to their defaults: rms_norm(x, w,
+    1e-6, 0.0) arrives as (x, w)); None when one without a default is missing."""
+    n = len(args)
+    if n == len(defaults):
+        return args
+    rest = defaults[n:]
+    return None if inspect.Parameter.empty in rest else args + rest
+
+
 def _direct_first(impl, lowered):
     """The registered kernel of an op: its direct lane for plain tensors,
     impl for the rest (and for what the lane hands back)."""
     if lowered is None:
         return impl
-    arity = len(inspect.signature(impl).parameters)
+    defaults = _defaults(impl)
 
     def kernel(*args, **kwargs):
-        # The dispatcher hands on the arguments as the caller gave them
-        # (defaults left out): the lane takes a call with every one given.
-        if len(args) == arity and not kwargs and type(args[0]) is Tensor:
-            y = direct_lane(lowered, args)
+        if not kwargs and type(args[0]) is Tensor:
+            full = _filled(args, defaults)
+            y = None if full is None else direct_lane(lowered, full)
             if y is not None:
                 return y
         return impl(*args, **kwargs)
 
     return functools.wraps(impl)(kernel)
+
+
+# Note [the autograd key's direct lane]
+# A call of torch.ops.tensor_ops.<op> passes the Autograd dispatch key first
+# (unless inference_mode is on), even when nothing needs a gradient. The
+# kernel torch.library.register_autograd puts there is Python: it redispatches
+# below autograd, which enters Python again for our kernel. The two hops cost
+# ~3.6 us per call (silu [1, 64], 1 thread: 7.2 us through torch.ops, 3.6 us
+# under inference_mode). So the Autograd kernel is torch's own
+# (make_autograd_impl, what register_autograd registers) behind the direct
+# lane: a call that records no gradient, with plain tensors and no
+# TorchDispatchMode active, runs the op table's binding there; anything else
+# (a gradient to record, FakeTensors while compiling, a mode, what the lane
+# refuses) takes torch's kernel unchanged. A torch without that helper gets
+# register_autograd as before.
+try:
+    from torch._library.autograd import Info as _AutogradInfo
+    from torch._library.autograd import make_autograd_impl as _make_autograd_impl
+except ImportError:  # pragma: no cover - another torch: register_autograd
+    _AutogradInfo = _make_autograd_impl = None
+
+_grad_enabled = torch._C.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+TORCH_AUTOGRAD = {}  # name -> torch's autograd kernel of the op (what the direct lane hands on)
+
+
+def _autograd_kernel(name, lowered, defaults):
+    """The Autograd-key kernel of op `name`: the direct lane first (Note
+    [the autograd key's direct lane]), torch's autograd kernel for the rest."""
+
+    def kernel(keyset, *args, **kwargs):
+        if (not kwargs and type(args[0]) is Tensor and not (_grad_enabled() and _any_requires_grad(*args))
+                and not _dispatch_modes()):
+            full = _filled(args, defaults)
+            y = None if full is None else direct_lane(lowered, full)
+            if y is not None:
+                return y
+        return TORCH_AUTOGRAD[name](keyset, *args, **kwargs)
+
+    return kernel
 
 
 def _register(impl, fake, setup_context=None, backward=None):
@@ -145,7 +205,8 @@ def _register(impl, fake, setup_context=None, backward=None):
     name = impl.__name__
     qualname = f"tensor_ops::{name}"
     _LIB.define(name + torch.library.infer_schema(impl, mutates_args=()))
-    kernel = _direct_first(impl, LOWERED.get(name))
+    lowered = LOWERED.get(name)
+    kernel = _direct_first(impl, lowered)
     _LIB.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(qualname, fake, lib=_LIB)
     op = getattr(torch.ops.tensor_ops, name).default
@@ -153,8 +214,12 @@ def _register(impl, fake, setup_context=None, backward=None):
     setattr(TRACED, name, op)
     setattr(DIRECT, name, impl)
     if backward is not None:
-        torch.library.register_autograd(qualname, functools.partial(backward, k=TRACED),
-                                        setup_context=setup_context, lib=_LIB)
+        traced_backward = functools.partial(backward, k=TRACED)
+        if lowered is None or _make_autograd_impl is None:
+            torch.library.register_autograd(qualname, traced_backward, setup_context=setup_context, lib=_LIB)
+        else:
+            TORCH_AUTOGRAD[name] = _make_autograd_impl(op, _AutogradInfo(traced_backward, setup_context))
+            _LIB.impl(name, _autograd_kernel(name, lowered, _defaults(impl)), "Autograd", with_keyset=True)
 
         def forward(ctx, *args):  # ctx-style: ~40 us cheaper per call than a separate setup_context
             output = kernel(*args)
