@@ -337,13 +337,55 @@ def test_compile_fullgraph_no_graph_break(family, train):
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-def test_fallback_is_per_call_and_recorded():
-    model = prepared(build("llama"))[0]
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_fallback_is_per_call_recorded_and_exact(impl):
+    """A call our attention hands back (output_attentions here) runs the
+    model's eager attention with HF's sdpa-style mask converted to eager's
+    (None meant causal; bool meant additive): the original's logits and
+    attention maps, padded or not (the mask was passed as it was, and the
+    eager function ran without a causal mask)."""
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config("llama")).eval()
+    ref.set_attn_implementation(impl)
+    model = prepared(copy.deepcopy(ref))[0]
     hf.ATTENTION_FALLBACKS.clear()
+    x = ids()
+    pad = torch.ones_like(x)
+    pad[0, :4] = 0
     with torch.no_grad():
-        out = model(ids(), output_attentions=True)
-    assert out.attentions is not None and out.attentions[0] is not None
+        for mask in (None, pad):
+            want, got = ref(x, attention_mask=mask, output_attentions=True), model(
+                x, attention_mask=mask, output_attentions=True)
+            keep = slice(None) if mask is None else mask.bool()
+            assert rel(got.logits[keep], want.logits[keep]) < 1e-5
+            for a, b in zip(got.attentions, want.attentions):
+                assert (a[1] - b[1]).abs().max() < 1e-5  # row 1 is unpadded
+            assert got.attentions[0][1, :, 0, 1:].abs().max() == 0  # causal: the first query sees only itself
     assert any("output_attentions" in r for r in hf.ATTENTION_FALLBACKS), dict(hf.ATTENTION_FALLBACKS)
+    hf.ATTENTION_FALLBACKS.clear()
+
+
+def test_t5_position_bias_fallback_keeps_the_decoder_causal():
+    """T5 passes position_bias, which our attention hands to T5's eager
+    attention: same logits as the original, padded source or not, and a
+    later decoder token changes no earlier position."""
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4, vocab_size=VOCAB,
+                                dropout_rate=0.0, decoder_start_token_id=0)
+    ref = transformers.T5ForConditionalGeneration(cfg).eval()
+    model = prepared(copy.deepcopy(ref))[0]
+    src, tgt = ids(2, 12, 1), ids(2, 9, 2)
+    pad = torch.ones_like(src)
+    pad[1, 8:] = 0
+    with torch.no_grad():
+        for mask in (None, pad):
+            want = ref(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+            assert rel(model(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits, want) < 1e-5
+        tgt2 = tgt.clone()
+        tgt2[:, -1] = 1
+        a = model(input_ids=src, decoder_input_ids=tgt).logits
+        b = model(input_ids=src, decoder_input_ids=tgt2).logits
+    assert torch.equal(a[:, :-1], b[:, :-1])
     hf.ATTENTION_FALLBACKS.clear()
 
 

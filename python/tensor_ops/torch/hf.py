@@ -309,20 +309,41 @@ def swap_hf_modules(model: nn.Module, warnings: List[str], counts, *, rms_norm: 
 
 # ------------------------------------------------------------------ attention
 
-def _eager(module):
-    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if fn is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
-    return fn
+def _eager_mask(mask: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+                causal: bool) -> Optional[torch.Tensor]:
+    """The mask HF's sdpa mask function made for our attention (bool, True
+    attends; or None where causal alone is enough) as a model's eager
+    attention takes it: additive in query's dtype (0 or the dtype's min, as
+    HF's eager masks), the causal part made explicit (top-left, as
+    attention_forward: query i sees keys j <= i)."""
+    if mask is None:
+        if not causal:
+            return None
+        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril(0)[None, None]
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(query.dtype).min)
+    return mask
 
 
-def _fallback(reason: str, module, *args, **kwargs):
+def _fallback(reason: str, module, query, key, value, attention_mask, is_causal: Optional[bool] = None, **kwargs):
+    """The call on the model's own eager attention (what it runs without us),
+    with the mask converted to eager's form (_eager_mask); HF's
+    sdpa_attention_forward, which takes the mask as it is, for a model that
+    has no eager function."""
     ATTENTION_FALLBACKS[reason] += 1
     if reason not in _logged_reasons:
         _logged_reasons.add(reason)
         _log.warning("tensor_ops attention: %s: this call (and any like it) runs %s's eager attention",
                      reason, type(module).__name__)
-    return _eager(module)(module, *args, **kwargs)
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, is_causal=is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    mask = _eager_mask(attention_mask, query, key, bool(query.shape[2] > 1 and causal))
+    return eager(module, query, key, value, mask, **kwargs)
 
 
 def _unsupported(query, key, value, dropout, kwargs) -> Optional[str]:
@@ -404,8 +425,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     causal alone is enough); returns ([batch, Lq, heads, d], None)."""
     reason = _unsupported(query, key, value, dropout, kwargs)
     if reason is not None:
-        return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                         softcap=softcap, **kwargs)
+        return _fallback(reason, module, query, key, value, attention_mask, is_causal, dropout=dropout,
+                         scaling=scaling, softcap=softcap, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     plain = attention_mask is None and not dropout
     if q_len > 1 and softcap is None and query.is_cpu and native_half_attention(query.dtype, plain):
