@@ -290,6 +290,41 @@ def test_values_and_gradients_match_torch(name, eager_path):
         assert rel_err(ga.grad, gb.grad) < 1e-4, f"{name} grad of input {i}"
 
 
+@pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "silu", "gelu", "softmax_causal", "swiglu", "attention_scale"])
+def test_second_derivatives_raise_rather_than_miss_terms(name, eager_path):
+    """Note [first-order gradients]: our backward kernels record no autograd,
+    so differentiating a gradient through them (create_graph=True, then a
+    gradient penalty's backward) raises; before, the penalty's gradient
+    silently lacked their terms. First-order gradients with create_graph=True
+    still work."""
+    ours, ref, shapes = GRAD_CASES[name]
+    torch.manual_seed(3)
+    xs = [torch.randn(s).requires_grad_() for s in shapes]
+    grads = torch.autograd.grad(ours(*xs).pow(2).sum(), xs, create_graph=True)
+    assert all(g is not None for g in grads)
+    with pytest.raises(RuntimeError, match="differentiate twice|does not require grad"):
+        sum(g.pow(2).sum() for g in grads).backward()
+
+
+def test_fused_linear_activation_under_bf16_autocast():
+    """Linear + activation (prepare_model_with_custom_kernels) under CPU bf16
+    autocast: the forward's GEMM runs in bf16 on fp32 parameters, and the
+    backward gives fp32 gradients close to torch's own under the same
+    autocast (it raised: bf16 dh times the fp32 weight)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 32), nn.GELU(approximate="tanh"), nn.Linear(32, 8))
+    got, _ = tt.prepare_model_with_custom_kernels(copy.deepcopy(ref), "O1")
+    x = torch.randn(4, 16)
+    for m in (ref, got):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        assert y.dtype == torch.bfloat16
+        y.float().sum().backward()
+    for p, q in zip(ref.parameters(), got.parameters()):
+        assert q.grad.dtype == p.dtype == torch.float32
+        assert rel_err(q.grad, p.grad) < 2e-2
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_value_and_gradient(reduction, eager_path):
     torch.manual_seed(1)

@@ -33,6 +33,7 @@ import types
 from typing import Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 import tensor_ops as _to
 from tensor_ops._arrays import note_torch
@@ -214,7 +215,7 @@ def _register(impl, fake, setup_context=None, backward=None):
     setattr(TRACED, name, op)
     setattr(DIRECT, name, impl)
     if backward is not None:
-        traced_backward = functools.partial(backward, k=TRACED)
+        traced_backward = once_differentiable(functools.partial(backward, k=TRACED))  # Note [first-order gradients]
         if lowered is None or _make_autograd_impl is None:
             torch.library.register_autograd(qualname, traced_backward, setup_context=setup_context, lib=_LIB)
         else:
@@ -228,7 +229,13 @@ def _register(impl, fake, setup_context=None, backward=None):
 
         FUNCTIONS[name] = type(name, (torch.autograd.Function,), {
             "forward": staticmethod(forward),
-            "backward": staticmethod(functools.partial(backward, k=DIRECT)),
+            # Note [first-order gradients]: the backward kernels record no
+            # autograd of their own, so a second derivative through them
+            # (create_graph=True: gradient penalties, Hessian-vector products)
+            # would silently miss their terms (torch's fallback for ops
+            # without autograd only warns); once_differentiable makes that an
+            # error instead, here and in the custom op's backward.
+            "backward": staticmethod(once_differentiable(functools.partial(backward, k=DIRECT))),
         })
 
 
@@ -598,6 +605,7 @@ class _CrossEntropyFused(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable  # Note [first-order gradients]
     def backward(ctx, dloss):
         dlogits, ctx.dlogits = ctx.dlogits, None
         again = dlogits is None

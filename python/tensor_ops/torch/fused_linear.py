@@ -18,6 +18,7 @@ from typing import Tuple
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 import tensor_ops as _to
 
@@ -54,9 +55,11 @@ class _LinearActivation(torch.autograd.Function):
         h = _gemm(x2, weight, bias)
         ctx.save_for_backward(x2, weight, h)
         ctx.act, ctx.has_bias = act, bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return ops.silu(h) if act == "silu" else ops.gelu(h, "tanh" if act == "gelu_tanh" else "none")
 
     @staticmethod
+    @once_differentiable  # Note [first-order gradients] (custom_ops.py): our activation backward
     def backward(ctx, dy):
         x2, weight, h = ctx.saved_tensors
         dy = dy.contiguous()
@@ -68,14 +71,19 @@ class _LinearActivation(torch.autograd.Function):
             # Our erf GELU backward kernel measured ~8x slower than torch's on
             # float32[2048, 3072] (2 AVX2 threads, 2026-11): torch's, until it is not.
             dh = torch.ops.aten.gelu_backward(dy, h, approximate="none")
-        dx = half_mm(dh, weight) if ctx.needs_input_grad[0] else None
+        # Under autocast the forward's GEMM ran in the autocast dtype (h, dh:
+        # bf16) on fp32 x2 / weight: the backward GEMMs run in dh's dtype,
+        # as autocast's addmm backward does, and each gradient comes back in
+        # its input's dtype.
+        w, x = weight.to(dh.dtype), x2.to(dh.dtype)
+        dx = half_mm(dh, w).to(x2.dtype) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
             # In the weight's own layout: a Conv1D's [in, out] weight comes as a transposed view, and a
             # gradient in the other layout would be copied whole by autograd's accumulation into .grad.
-            dw = (half_mm(x2.t(), dh).t() if weight.t().is_contiguous() and not weight.is_contiguous()
-                  else half_mm(dh.t(), x2))
-        db = dh.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+            dw = (half_mm(x.t(), dh).t() if weight.t().is_contiguous() and not weight.is_contiguous()
+                  else half_mm(dh.t(), x)).to(weight.dtype)
+        db = dh.sum(0).to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None
 
 
