@@ -389,6 +389,23 @@ def test_t5_position_bias_fallback_keeps_the_decoder_causal():
     hf.ATTENTION_FALLBACKS.clear()
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_labels_with_return_dict_false_and_shift_labels_alone(family):
+    """Our causal-LM loss keeps HF's calling conventions: return_dict=False
+    gives HF's tuple, the loss first (it raised AttributeError); shift_labels
+    without labels gives no loss, as HF."""
+    ref = build(family)
+    model = prepared(copy.deepcopy(ref))[0]
+    x = ids()
+    with torch.no_grad():
+        want, got = ref(x, labels=x, return_dict=False), model(x, labels=x, return_dict=False)
+        assert isinstance(got, tuple) and len(got) == len(want)
+        assert rel(got[0], want[0]) < 1e-5 and rel(got[1], want[1]) < 1e-5
+        out = model(x, labels=x)
+        assert list(out.keys())[:2] == ["loss", "logits"] and rel(out.loss, want[0]) < 1e-5
+        assert model(x, shift_labels=x).loss is None
+
+
 def test_fused_linear_cross_entropy_loss_without_logits():
     """apply_tensor_ops_kernel_to_llama(model=...) with the fused loss: in
     training the logits are never built and the loss and gradients are the

@@ -751,17 +751,21 @@ def _causal_lm_forward(original: Callable) -> Callable:
             args = ()
             labels = kwargs.pop("labels", labels)
         shift_labels = kwargs.get("shift_labels")
-        if mode is None or (labels is None and shift_labels is None):
+        if mode is None or labels is None:  # as HF: no labels, no loss (shift_labels alone included)
             return original(self, *args, labels=labels, **kwargs)
+        # return_dict=False: HF's tuple, the loss first; the model's own output is asked
+        # for as a ModelOutput so the loss can be set on it.
+        as_tuple = kwargs.pop("return_dict", None) is False
         ignore_index = kwargs.get("ignore_index", -100)
         num_items = kwargs.get("num_items_in_batch")
         targets = _shift(labels, shift_labels, ignore_index)
         head = self.get_output_embeddings()
         fused = (mode == "fused_linear_cross_entropy" and self.training and not args
                  and getattr(self.config, "final_logit_softcapping", None) is None
-                 and isinstance(head, nn.Linear) and not kwargs.get("return_dict") is False)
+                 and isinstance(head, nn.Linear))
         if not fused:
-            out = original(self, *args, labels=None, **{k: v for k, v in kwargs.items() if k not in ("shift_labels",)})
+            out = original(self, *args, labels=None, return_dict=True,
+                           **{k: v for k, v in kwargs.items() if k not in ("shift_labels",)})
             logits = out.logits
             vocab = logits.shape[-1]
 
@@ -769,21 +773,23 @@ def _causal_lm_forward(original: Callable) -> Callable:
                 return ops.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1).to(logits.device),
                                          ignore_index, reduction)
 
-            out.loss = _reduce(loss_fn, num_items)
-            return out
+            # a new output rather than out.loss = ...: ModelOutput left "loss" (None) out of its keys
+            out = type(out)(**{**out, "loss": _reduce(loss_fn, num_items)})
+            return out.to_tuple() if as_tuple else out
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         base_kwargs = {k: v for k, v in kwargs.items() if k not in _LOSS_KWARGS + ("logits_to_keep",)}
-        outputs = getattr(self, self.base_model_prefix)(**base_kwargs)
+        outputs = getattr(self, self.base_model_prefix)(return_dict=True, **base_kwargs)
         hidden = outputs[0]
 
         def loss_fn(reduction):
             return _flce(hidden, head.weight, targets.to(hidden.device), head.bias, ignore_index, reduction)
 
         loss = _reduce(loss_fn, num_items)
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
-                                      hidden_states=getattr(outputs, "hidden_states", None),
-                                      attentions=getattr(outputs, "attentions", None))
+        out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
+                                     hidden_states=getattr(outputs, "hidden_states", None),
+                                     attentions=getattr(outputs, "attentions", None))
+        return out.to_tuple() if as_tuple else out
 
     forward._tensor_ops_original = original
     return forward
