@@ -536,6 +536,27 @@ def test_optimization_level_rejects_unknown():
     assert tt.OptimizationLevel.BALANCED is tt.OptimizationLevel.O2
 
 
+def test_float64_models_stay_on_torch_and_say_so():
+    """Our kernels take float32 / float16 / bfloat16. A float64 model is left
+    as it is, with a warning (it was swapped, then raised DTypeError at its
+    first call); a model cast to float64 after prepare_model runs torch's own
+    forward in the swapped norms and activations."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16), nn.SiLU(),
+                        nn.RMSNorm(16))
+    x = torch.randn(3, 8, dtype=torch.float64)
+    got, result = tt.prepare_model(copy.deepcopy(ref).double(), "O1")
+    assert result.success and any("float64" in w for w in result.warnings), result.warnings
+    assert all(type(m).__module__.startswith("torch.") for m in got.modules())
+    torch.testing.assert_close(got(x), ref.double()(x), rtol=0, atol=0)
+    got, result = tt.prepare_model(copy.deepcopy(ref).float(), "O1")
+    assert not any("float64" in w for w in result.warnings)
+    got.double()
+    y = got(x)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, ref(x), rtol=1e-12, atol=1e-12)
+
+
 def test_prepare_o0_places_only():
     model = tiny_llama()
     ids = torch.randint(0, 96, (2, 8))

@@ -4,6 +4,7 @@ same state_dict (the norms and activations subclass torch's own modules and
 override only forward)."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Optional
@@ -34,10 +35,29 @@ def _affine(param: Optional[torch.Tensor], x: torch.Tensor, n: int, fill: float)
     return param.reshape(n).to(x.dtype)
 
 
+# The dtypes our kernels take. The drop-in norms and activations hand any
+# other input (a model cast to float64 after prepare_model) to torch's own
+# forward, and log it once.
+_KERNEL_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
+_torch_dtype_logged = set()
+
+
+def _torch_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    base = type(module).__mro__[1]  # the torch module ours subclasses
+    if (base, x.dtype) not in _torch_dtype_logged:
+        _torch_dtype_logged.add((base, x.dtype))
+        logging.getLogger("tensor_ops").warning(
+            "tensor_ops.torch.%s: %s input runs torch's %s (our kernels take float32, float16 and bfloat16)",
+            type(module).__name__, str(x.dtype).replace("torch.", ""), base.__name__)
+    return base.forward(module, x)
+
+
 class RMSNorm(nn.RMSNorm):
     """torch.nn.RMSNorm on the fused tensor_ops kernel (fp32 accumulation)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in _KERNEL_DTYPES:
+            return _torch_forward(self, x)
         w = self.weight
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         if w is not None and w.dtype == x.dtype and len(self.normalized_shape) == 1:
@@ -51,6 +71,8 @@ class LayerNorm(nn.LayerNorm):
     """torch.nn.LayerNorm on the fused tensor_ops kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in _KERNEL_DTYPES:
+            return _torch_forward(self, x)
         w, b = self.weight, self.bias
         if (w is not None and w.dtype == x.dtype and (b is None or b.dtype == x.dtype)
                 and len(self.normalized_shape) == 1):
@@ -63,12 +85,12 @@ class LayerNorm(nn.LayerNorm):
 
 class SiLU(nn.SiLU):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu(x)
+        return ops.silu(x) if x.dtype in _KERNEL_DTYPES else _torch_forward(self, x)
 
 
 class GELU(nn.GELU):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.gelu(x, self.approximate)
+        return ops.gelu(x, self.approximate) if x.dtype in _KERNEL_DTYPES else _torch_forward(self, x)
 
 
 # Calls of Linear with at most this many rows of input (x.numel() / in_features)

@@ -240,7 +240,14 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
                         f"call the model inside `with backend:` or after tensor_ops.set_backend({backend.name!r})")
 
     counts: collections.Counter = collections.Counter()
-    if level >= OptimizationLevel.O1:
+    # Our kernels take float32, float16 and bfloat16: a model holding other floating
+    # parameters (float64) keeps torch's modules, and says so (it raised at its first call).
+    odd = sorted({str(t.dtype).replace("torch.", "") for t in tensors
+                  if t.is_floating_point() and t.dtype not in modules._KERNEL_DTYPES})
+    if odd and level >= OptimizationLevel.O1:
+        warnings.append(f"O1: the model has {'/'.join(odd)} parameters or buffers; tensor_ops kernels take "
+                        f"float32, float16 and bfloat16, so no module was swapped (cast the model first)")
+    elif level >= OptimizationLevel.O1:
         model = _swap_modules(model, "", warnings, counts)
         if _is_transformers_model(model):
             from . import hf  # imported only when transformers already is
