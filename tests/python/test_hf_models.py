@@ -692,6 +692,30 @@ def test_prepare_model_rope_is_that_models_only(family, rope_calls):
     assert rel(got, before) < 1e-5
 
 
+@pytest.mark.parametrize("family", ["gpt2", "gemma", "gemma2", "phi3"])
+def test_prepared_models_pickle_with_our_module_classes(family, tmp_path):
+    """The TensorOps<HF class> modules prepare_model makes (Gemma's offset
+    norm, the fused gate/up MLP, the Linear + activation epilogue, HF
+    activations) are made at run time: pickle and torch.save of a prepared
+    model failed (PicklingError: attribute lookup on tensor_ops.torch.hf).
+    They pickle as the HF class and our forward, and load as ours."""
+    import pickle
+
+    model = prepared(build(family))[0]
+    ours = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("TensorOps")})
+    assert ours, family
+    x = ids()
+    with torch.no_grad():
+        want = model(x).logits
+    torch.save(model, tmp_path / "m.pt")
+    for clone in (pickle.loads(pickle.dumps(model)), torch.load(tmp_path / "m.pt", weights_only=False),
+                  copy.deepcopy(model)):
+        assert sorted({type(m).__name__ for m in clone.modules() if type(m).__name__.startswith("TensorOps")}) == ours
+        assert {type(m) for m in clone.modules()} == {type(m) for m in model.modules()}
+        with torch.no_grad():
+            assert torch.equal(clone(x).logits, want)
+
+
 def test_prepare_model_rope_survives_deepcopy_and_pickle(tmp_path, rope_calls):
     """copy.deepcopy, pickle and torch.save of a prepared model keep our RoPE
     (the same-named subclass pickles as HF's class and is made ours on load),

@@ -160,9 +160,28 @@ def _subclass(cls: type, forward: Callable, what: str) -> type:
     if sub is None:
         sub = type(f"TensorOps{cls.__name__}", (cls,),
                    {"forward": forward, "__module__": __name__, "_tensor_ops_kind": what,
-                    "__doc__": f"{cls.__name__} on tensor_ops kernels ({what})."})
+                    "__reduce_ex__": _subclass_reduce_ex, "__doc__": f"{cls.__name__} on tensor_ops kernels ({what})."})
         _SUBCLASSES[key] = sub
     return sub
+
+
+def _subclass_instance(cls: type, forward: Callable, what: str, *args):
+    """An instance of _subclass(cls, forward, what), made as pickle makes one (state set after)."""
+    sub = _subclass(cls, forward, what)
+    return sub.__new__(sub, *args)
+
+
+def _subclass_reduce_ex(self, protocol):
+    # A _subclass class is made at run time and cannot be found by name: pickled as the class it
+    # derives from and our forward (a function of this module), made again on load (torch.save of
+    # a prepared model; copy.deepcopy goes this way too).
+    rv = object.__reduce_ex__(self, protocol)
+    sub = type(self)
+    base = sub.__bases__[0]
+    if (isinstance(rv, tuple) and rv[0] is copyreg.__newobj__ and rv[1][0] is sub
+            and _SUBCLASSES.get((base, sub.forward)) is sub):
+        return (_subclass_instance, (base, sub.forward, sub._tensor_ops_kind, *rv[1][1:]), *rv[2:])
+    return rv
 
 
 def _is_ours(m: nn.Module) -> bool:
