@@ -406,6 +406,22 @@ def test_labels_with_return_dict_false_and_shift_labels_alone(family):
         assert model(x, shift_labels=x).loss is None
 
 
+def test_replaced_modules_keep_hooks_and_mode():
+    """prepare_model's new modules (a SwiGLU for LlamaMLP, our RMSNorm for
+    LlamaRMSNorm) take over the forward hooks registered before it (they were
+    dropped) and the model's eval mode (they were in training mode)."""
+    model = build("llama")
+    seen = []
+    model.model.layers[0].mlp.register_forward_hook(lambda mod, i, o: seen.append("mlp"))
+    model.model.norm.register_forward_pre_hook(lambda mod, i: seen.append("norm"))
+    model = prepared(model)[0]
+    assert type(model.model.layers[0].mlp).__module__.startswith("tensor_ops.")
+    assert not any(m.training for m in model.modules())
+    with torch.no_grad():
+        model(ids())
+    assert seen == ["mlp", "norm"]
+
+
 def test_fused_linear_cross_entropy_loss_without_logits():
     """apply_tensor_ops_kernel_to_llama(model=...) with the fused loss: in
     training the logits are never built and the loss and gradients are the

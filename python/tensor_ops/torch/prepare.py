@@ -126,6 +126,23 @@ _CLASS_SWAPS = {nn.RMSNorm: modules.RMSNorm, nn.LayerNorm: modules.LayerNorm, nn
                 nn.GELU: modules.GELU}
 
 
+# The per-module state a replacement takes over from the module it replaces:
+# hooks registered before prepare_model keep firing (they were dropped), and
+# the train / eval mode is the model's (a new module is in training mode).
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _carry_over(old: nn.Module, new: nn.Module) -> None:
+    new.train(old.training)
+    for name in _HOOK_DICTS:
+        hooks = getattr(old, name, None)
+        if hooks:
+            getattr(new, name).update(hooks)
+    if getattr(old, "_is_full_backward_hook", None) is not None:
+        new._is_full_backward_hook = old._is_full_backward_hook
+
+
 def _swap_modules(m: nn.Module, path: str, warnings: List[str], counts: collections.Counter) -> nn.Module:
     """m with, in place, torch's norms and activations swapped for ours (a
     class swap: same object, same Parameters) and gated MLPs / HF RMSNorms
@@ -139,6 +156,7 @@ def _swap_modules(m: nn.Module, path: str, warnings: List[str], counts: collecti
         return m
     replacement = _gated_mlp(m, warnings, path) or _hf_rms_norm(m, warnings, path)
     if replacement is not None:
+        _carry_over(m, replacement)
         counts[f"{old} -> tensor_ops.torch.{type(replacement).__name__}"] += 1
         return replacement
     for name, child in list(m.named_children()):
