@@ -306,6 +306,34 @@ def test_second_derivatives_raise_rather_than_miss_terms(name, eager_path):
         sum(g.pow(2).sum() for g in grads).backward()
 
 
+def test_torch_func_transforms_over_prepared_modules():
+    """Note [torch.func]: vmap (with and without gradients recorded), grad,
+    jacrev and per-sample gradients (vmap of grad) over a prepared model give
+    torch's answers; they raised (the ctx-style Function, the direct lane
+    reading functorch's wrappers)."""
+    from torch.func import functional_call, grad, jacrev, vmap
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16), nn.SiLU(),
+                        nn.RMSNorm(16), nn.Linear(16, 1))
+    got, _ = tt.prepare_model(copy.deepcopy(ref), "O1")
+    x = torch.randn(6, 8)
+    for m in (ref, got):
+        m.zero_grad()
+    runs = {
+        "vmap": lambda m: vmap(m)(x[:, None]),
+        "vmap no_grad": lambda m: torch.no_grad()(lambda: vmap(m)(x[:, None]))(),
+        "grad": lambda m: grad(lambda xi: m(xi).sum())(x),
+        "jacrev": lambda m: jacrev(lambda xi: m(xi).sum(0))(x),
+        "per-sample grads": lambda m: vmap(grad(lambda p, xi: functional_call(m, p, (xi[None],)).sum()),
+                                           in_dims=(None, 0))(dict(m.named_parameters()), x)["0.weight"],
+    }
+    for name, run in runs.items():
+        torch.testing.assert_close(run(got), run(ref), rtol=1e-5, atol=1e-6, msg=name)
+    xs = torch.randn(5, 3, 16)
+    torch.testing.assert_close(vmap(lambda t: tt.softmax(t, -1))(xs), torch.softmax(xs, -1))
+
+
 def test_fused_linear_activation_under_bf16_autocast():
     """Linear + activation (prepare_model_with_custom_kernels) under CPU bf16
     autocast: the forward's GEMM runs in bf16 on fp32 parameters, and the

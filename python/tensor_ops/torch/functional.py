@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .custom_ops import DIRECT, FUNCTIONS, LOWERED, OPS, direct_lane
+from .custom_ops import DIRECT, FUNCTIONS, FUNCTIONS_FUNC, LOWERED, OPS, direct_lane
 
 # Plain tensors in eager mode take the autograd.Function (or, with no
 # gradient to record, the kernel itself); tests turn this off to drive the
@@ -20,6 +20,18 @@ _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
 
 
+# Note [torch.func]
+# Under torch.func's transforms the tensors are functorch's wrappers, of type
+# torch.Tensor, which the direct lane cannot read. A call that records a
+# gradient (grad, jacrev, vjp) takes the Function with a separate
+# setup_context (the ctx-style one is refused there; the check costs only
+# this branch); under vmap a call takes the custom op, which torch batches
+# by running it per sample. Both are found where they cost nothing on the
+# common path: the gradient branch, and the direct lane's refusal.
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_VMAP = torch._C._functorch.TransformType.Vmap
+
+
 def _run(name: str, *args):
     """The op `name` on args, every argument given (Functions take no defaults)."""
     # Tracing and tensor subclasses (FakeTensor, DTensor...) take the custom op.
@@ -30,12 +42,22 @@ def _run(name: str, *args):
         if function is not None and _is_grad_enabled():
             for a in args:
                 if isinstance(a, _Tensor) and a.requires_grad:
+                    level = _functorch_level()
+                    if level is not None:  # Note [torch.func]
+                        return (OPS[name] if level.key() == _VMAP else FUNCTIONS_FUNC[name].apply)(*args)
                     return function.apply(*args)
         lowered = LOWERED.get(name)
         if lowered is not None:
-            y = direct_lane(lowered, args)
+            try:
+                y = direct_lane(lowered, args)
+            except RuntimeError:
+                if _functorch_level() is None:
+                    raise
+                return OPS[name](*args)  # Note [torch.func]
             if y is not None:
                 return y
+        if _functorch_level() is not None:
+            return OPS[name](*args)
         return getattr(DIRECT, name)(*args)
     return OPS[name](*args)
 

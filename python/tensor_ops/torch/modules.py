@@ -159,6 +159,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return _to.linear(x, weight, bias) if weight_layout == "nk" else _to.linear(x, weight, bias, weight_layout="kn")
     except UnsupportedError:
         return None  # the active backend has no linear kernel (or the XLA shim is selected)
+    except RuntimeError:
+        if torch._C._functorch.peek_interpreter_stack() is None:
+            raise
+        return None  # torch.func's wrapped tensors (Note [torch.func] in functional.py): torch's F.linear
 
 
 # Note [half GEMMs in fp32]
