@@ -406,6 +406,30 @@ def test_labels_with_return_dict_false_and_shift_labels_alone(family):
         assert model(x, shift_labels=x).loss is None
 
 
+@pytest.mark.parametrize("route", ["prepare_model", "class patch"])
+def test_hf_rms_norm_keeps_hf_dtypes_under_autocast(route):
+    """HF's RMSNorm returns weight * normed.to(x.dtype): under bf16 autocast
+    (fp32 weights, bf16 activations, as Qwen3's q_norm / k_norm get) that is
+    fp32, and so is ours (it was bf16); same dtype and values either way."""
+    ref = build("qwen3")
+    if route == "prepare_model":
+        model = prepared(copy.deepcopy(ref))[0]
+    else:
+        model = copy.deepcopy(ref)
+        hf.apply_tensor_ops_kernel("qwen3", model=model)
+    norm_ref, norm = ref.model.layers[0].self_attn.q_norm, model.model.layers[0].self_attn.q_norm
+    assert type(norm).__module__.startswith("tensor_ops.")
+    x = torch.randn(2, 3, 4, 16).bfloat16()
+    with torch.no_grad():
+        want, got = norm_ref(x), norm(x)
+        assert got.dtype == want.dtype == torch.float32
+        assert rel(got, want) < 1e-6
+        assert norm(x.float()).dtype == torch.float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = ref(ids()).logits, model(ids()).logits
+    assert got.dtype == want.dtype and rel(got, want) < 2e-2
+
+
 def test_replaced_modules_keep_hooks_and_mode():
     """prepare_model's new modules (a SwiGLU for LlamaMLP, our RMSNorm for
     LlamaRMSNorm) take over the forward hooks registered before it (they were

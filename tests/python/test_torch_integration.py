@@ -653,7 +653,7 @@ def test_prepare_o1_swaps_hf_norms_activations_and_warns_on_odd_mlps():
     w0 = model[0].weight
     _, result = tt.prepare_model(model, "conservative")
     assert result.metrics["replacements"] == {
-        "LlamaRMSNorm -> tensor_ops.torch.RMSNorm": 1, "LayerNorm -> tensor_ops.torch.LayerNorm": 1,
+        "LlamaRMSNorm -> tensor_ops.torch.HFRMSNorm": 1, "LayerNorm -> tensor_ops.torch.LayerNorm": 1,
         "GELU -> tensor_ops.torch.GELU": 1, "SiLU -> tensor_ops.torch.SiLU": 2,  # one inside the skipped MLP
         "Linear -> tensor_ops.torch.Linear": 6}  # the skipped MLPs' Linears
     assert model[0].weight is w0 and model[0].eps == 1e-6

@@ -10,7 +10,7 @@ from .functional import (
     gelu, gelu_backward, layer_norm, layer_norm_backward, linear, log_softmax, log_softmax_backward, rms_norm,
     rms_norm_backward, rope, rope_backward, silu, silu_backward, softmax, softmax_backward, swiglu, swiglu_backward,
 )
-from .modules import GELU, Attention, LayerNorm, Linear, RMSNorm, SiLU, SwiGLU
+from .modules import GELU, Attention, HFRMSNorm, LayerNorm, Linear, RMSNorm, SiLU, SwiGLU
 from .prepare import (
     OptimizationLevel, OptimizationResult, ValidationResult, prepare_model, validate_model,
 )
@@ -35,7 +35,7 @@ __all__ = [
     "geglu_backward", "gelu", "gelu_backward", "layer_norm", "layer_norm_backward", "linear", "log_softmax",
     "log_softmax_backward", "rms_norm", "rms_norm_backward", "rope", "rope_backward", "silu", "silu_backward",
     "softmax", "softmax_backward", "swiglu", "swiglu_backward",
-    "GELU", "Attention", "LayerNorm", "Linear", "RMSNorm", "SiLU", "SwiGLU",
+    "GELU", "Attention", "HFRMSNorm", "LayerNorm", "Linear", "RMSNorm", "SiLU", "SwiGLU",
     "OptimizationLevel", "OptimizationResult", "ValidationResult", "prepare_model", "validate_model",
     "FlashAttention", "FlashAttention3", "scaled_dot_product_attention",
     "FusedLinearGELU", "FusedLinearSiLU", "linear_activation", "prepare_model_with_custom_kernels",

@@ -128,7 +128,11 @@ def _activation_forward(self, x):
 
 
 def _rms_norm_forward(self, x):
-    return ops.rms_norm(x, self.weight.to(x.dtype), self.variance_epsilon)
+    w = self.weight
+    if w.dtype == x.dtype:
+        return ops.rms_norm(x, w, self.variance_epsilon)
+    # HF's weight * normed.to(x.dtype): the promoted dtype (modules.HFRMSNorm)
+    return w * ops.rms_norm(x, torch.ones(w.shape, dtype=x.dtype, device=x.device), self.variance_epsilon)
 
 
 def _offset_rms_norm_forward(self, x):

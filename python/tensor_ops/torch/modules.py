@@ -67,6 +67,21 @@ class RMSNorm(nn.RMSNorm):
         return y.view(x.shape)
 
 
+class HFRMSNorm(RMSNorm):
+    """What prepare_model puts in place of transformers' *RMSNorm classes
+    (LlamaRMSNorm, Qwen3RMSNorm...): RMSNorm, except for a weight of another
+    dtype than the input (an fp32 weight on bf16 activations under autocast),
+    where HF's forward, weight * normed.to(x.dtype), gives the promoted dtype
+    (ours gave x's): the normalised x in x's dtype, then times the weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w is None or w.dtype == x.dtype or x.dtype not in _KERNEL_DTYPES or len(self.normalized_shape) != 1:
+            return super().forward(x)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return w * ops.rms_norm(x, torch.ones(w.shape, dtype=x.dtype, device=x.device), eps)
+
+
 class LayerNorm(nn.LayerNorm):
     """torch.nn.LayerNorm on the fused tensor_ops kernel."""
 

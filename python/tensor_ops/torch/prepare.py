@@ -117,7 +117,7 @@ def _hf_rms_norm(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Mo
         warnings.append(f"{path or 'the model'} ({type(m).__name__}) was left as is: no 1-d weight Parameter "
                         f"and float variance_epsilon")
         return None
-    norm = modules.RMSNorm(w.shape[0], eps=eps, device="meta")
+    norm = modules.HFRMSNorm(w.shape[0], eps=eps, device="meta")
     norm.weight = w
     return norm
 
