@@ -365,6 +365,27 @@ def test_fallback_is_per_call_recorded_and_exact(impl):
     hf.ATTENTION_FALLBACKS.clear()
 
 
+def test_gpt2_eager_output_attentions_through_the_capture():
+    """GPT-2 does not pass output_attentions to its attention function; HF's
+    output capture collects what the function returns. A prepared GPT-2 that
+    was eager returns its attention maps, equal to the original's (it
+    returned none); a plain call still runs our kernel."""
+    ref = build("gpt2")
+    ref.set_attn_implementation("eager")
+    model = prepared(copy.deepcopy(ref))[0]
+    hf.ATTENTION_FALLBACKS.clear()
+    x = ids()
+    with torch.no_grad():
+        want, got = ref(x, output_attentions=True), model(x, output_attentions=True)
+        assert len(got.attentions) == len(want.attentions) == 2
+        for a, b in zip(got.attentions, want.attentions):
+            assert (a - b).abs().max() < 1e-6
+        assert hf.ATTENTION_FALLBACKS
+        hf.ATTENTION_FALLBACKS.clear()
+        model(x)
+    assert not hf.ATTENTION_FALLBACKS
+
+
 def test_t5_position_bias_fallback_keeps_the_decoder_causal():
     """T5 passes position_bias, which our attention hands to T5's eager
     attention: same logits as the original, padded source or not, and a

@@ -369,8 +369,31 @@ def _fallback(reason: str, module, query, key, value, attention_mask, is_causal:
     return eager(module, query, key, value, mask, **kwargs)
 
 
-def _unsupported(query, key, value, dropout, kwargs) -> Optional[str]:
+try:  # transformers' output capture: what a forward with output_attentions=True collects
+    from transformers.utils.output_capturing import _active_collector as _OUTPUT_COLLECTOR
+except ImportError:  # pragma: no cover - other transformers versions: the kwarg alone
+    _OUTPUT_COLLECTOR = None
+
+
+def _attentions_requested(kwargs) -> bool:
+    """Whether the caller wants this call's attention probabilities: the
+    output_attentions kwarg (Llama passes it down), or transformers' output
+    capture collecting "attentions" (GPT-2 does not pass it: its eager
+    attention's probabilities were returned, ours are not, so a prepared
+    eager GPT-2 returned no attentions)."""
     if kwargs.get("output_attentions"):
+        return True
+    if _OUTPUT_COLLECTOR is None or torch.compiler.is_compiling():
+        return False
+    try:
+        collected = _OUTPUT_COLLECTOR.get()
+    except LookupError:
+        return False
+    return isinstance(collected, dict) and "attentions" in collected
+
+
+def _unsupported(query, key, value, dropout, kwargs) -> Optional[str]:
+    if _attentions_requested(kwargs):
         return "output_attentions=True needs the attention probabilities"
     if kwargs.get("cache") is not None:
         return "paged attention cache"
