@@ -683,9 +683,40 @@ class AmxTileScope {
   AmxTileConfig saved_;
 };
 
+// Note [AMX buffers on page boundaries]
+// The AMX products read tiles at strides of whole kilobytes (V^T's rows are
+// Lkp * 2 bytes apart), and their speed depended on where the key buffers
+// and the scratch fell relative to each other in the cache sets: the same
+// bf16 forward, [1, 32/8, 1024, 128] non-causal on 1 thread, took 27-29 ms
+// in some processes and 44-49 ms in others, decided by the heap's state
+// when the buffers were allocated (how much Python had allocated before).
+// So the packed keys are page-aligned (AmxBuf) and the forward's scratch
+// regions start on page boundaries (attention_amx_rows): one layout, the
+// fast one, in every process.
+class AmxBuf {
+ public:
+  uint16_t* data() const { return p_.get(); }
+  size_t size() const { return n_; }
+  void resize(size_t n) {
+    if (n <= n_) return;
+    const size_t bytes = (n * 2 + 4095) / 4096 * 4096;
+    void* q = std::aligned_alloc(4096, bytes);
+    if (!q) throw std::bad_alloc();
+    p_.reset(static_cast<uint16_t*>(q));
+    n_ = bytes / 2;
+  }
+
+ private:
+  struct Free {
+    void operator()(uint16_t* q) const { std::free(q); }
+  };
+  std::unique_ptr<uint16_t, Free> p_;
+  size_t n_ = 0;
+};
+
 // One (batch, kv head)'s keys, padded: K [Lkp][Dq] and V^T [Dq][Lkp] bf16.
 struct AmxKv {
-  std::vector<uint16_t> k, vt, tile;
+  AmxBuf k, vt, tile;
   int64_t Lkp = 0, Dq = 0;
 };
 
@@ -858,10 +889,17 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
   constexpr int64_t R = kAttnRows, K = kAttnAmxKeys;
   static_assert(R == 48 && K % 32 == 0, "the tile loops below take three 16-row query tiles");
   const int64_t Dq = kv.Dq, Lkp = kv.Lkp, Np = attn_pad(nr), QT = Np / 16;
-  float *m = scratch, *l = m + R, *lim = l + R, *corr = lim + R, *OT = corr + R, *St = OT + Dq * R;
-  uint16_t* pv = reinterpret_cast<uint16_t*>(St + K * R);  // [K / 2][2R]: P^T, two keys per query
-  uint16_t* qc = pv + K * R;                               // [R][Dq]: the row tile's queries
-  uint16_t* qv = qc + R * Dq;                              // [Dq / 2][2R]: Q^T in the B layout
+  // Each region on a page boundary (Note [AMX buffers on page boundaries]):
+  // the scratch has a page of slack for the first.
+  auto page = [](void* p) {
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 4095) / 4096 * 4096);
+  };
+  float* OT = page(scratch);                               // [Dq][R]: O^T in fp32
+  float* St = page(OT + Dq * R);                           // [K][R]: S^T
+  uint16_t* pv = reinterpret_cast<uint16_t*>(page(St + K * R));  // [K / 2][2R]: P^T, two keys per query
+  uint16_t* qc = reinterpret_cast<uint16_t*>(page(pv + K * R));  // [R][Dq]: the row tile's queries
+  uint16_t* qv = reinterpret_cast<uint16_t*>(page(qc + R * Dq));  // [Dq / 2][2R]: Q^T in the B layout
+  float *m = page(qv + R * Dq), *l = m + R, *lim = l + R, *corr = lim + R;
   const float ninf = -__builtin_inff();
   amx_pack_row_tile(s, q.data, b, kvh, r0, nr, Dq, qc);
   amx_pack_dims(qc, Dq, qv);
@@ -1181,7 +1219,7 @@ void attention_backward_fused(const to_op_call& c, const AttnShape& s, int64_t i
 // Delta = rowsum(dO * O) in fp32 from the bf16 tensors. Every sum runs in
 // one fixed order on one thread: the same bits at any thread count.
 struct AmxBwdKv {
-  std::vector<uint16_t> k, v, kt, tile;
+  AmxBuf k, v, kt, tile;  // Note [AMX buffers on page boundaries]
 };
 
 // rows [kAttnRows][Dq] into the B layout of a product over rows:

@@ -21,7 +21,9 @@ inline int64_t amx_dq(int64_t head_dim) { return (head_dim + 31) / 32 * 32; }
 // the AMX tile's (attention_amx_rows: head_dim padded to 32, bf16 buffers).
 inline int64_t attention_scratch_floats(int64_t head_dim) {
   const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys, Dq = amx_dq(head_dim);
-  const int64_t fp32 = 2 * R * Dp + 2 * K * Dp + R * K + 4 * R, amx = 4 * R + 2 * Dq * R + kAttnAmxKeys * R * 3 / 2;
+  // amx: its regions each start on a page (attention_amx_rows): up to a page of slack before each of six
+  const int64_t fp32 = 2 * R * Dp + 2 * K * Dp + R * K + 4 * R,
+                amx = 4 * R + 2 * Dq * R + kAttnAmxKeys * R * 3 / 2 + 6 * 1024;
   return fp32 > amx ? fp32 : amx;
 }
 inline int64_t attention_backward_scratch_floats(int64_t head_dim) {

@@ -3,7 +3,10 @@
 // with that level's compiler flags.
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <optional>
 #include <type_traits>
 #include <vector>
