@@ -714,6 +714,11 @@ class AmxBuf {
   size_t n_ = 0;
 };
 
+// p rounded up to the next page boundary (Note [AMX buffers on page boundaries]).
+inline float* amx_page(void* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 4095) / 4096 * 4096);
+}
+
 // One (batch, kv head)'s keys, padded: K [Lkp][Dq] and V^T [Dq][Lkp] bf16.
 struct AmxKv {
   AmxBuf k, vt, tile;
@@ -890,10 +895,8 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
   static_assert(R == 48 && K % 32 == 0, "the tile loops below take three 16-row query tiles");
   const int64_t Dq = kv.Dq, Lkp = kv.Lkp, Np = attn_pad(nr), QT = Np / 16;
   // Each region on a page boundary (Note [AMX buffers on page boundaries]):
-  // the scratch has a page of slack for the first.
-  auto page = [](void* p) {
-    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 4095) / 4096 * 4096);
-  };
+  // the scratch has a page of slack for each.
+  const auto page = amx_page;
   float* OT = page(scratch);                               // [Dq][R]: O^T in fp32
   float* St = page(OT + Dq * R);                           // [K][R]: S^T
   uint16_t* pv = reinterpret_cast<uint16_t*>(page(St + K * R));  // [K / 2][2R]: P^T, two keys per query
@@ -1285,12 +1288,18 @@ void attention_backward_amx(const to_op_call& c, const AttnShape& s, int64_t i0,
   const to_tensor &dout = c.inputs[0], &q = c.inputs[1], &k = c.inputs[2], &v = c.inputs[3], &o = c.inputs[4],
                   &lse = c.inputs[5], &dq = c.outputs[0], &dk = c.outputs[1], &dv = c.outputs[2];
   constexpr int64_t R = kAttnRows, K = kAttnAmxBackwardKeys;
-  const int64_t Dq = amx_dq(s.Dm), rp = s.row_tiles * R, Lkp = (s.Lk + K - 1) / K * K, pack = (R + 64) * Dq;
-  float *dQt = scratch, *L = dQt + Dq * rp, *Delta = L + rp, *lim = Delta + rp, *packs = lim + rp,
-        *St = packs + s.row_tiles * pack, *dPt = St + K * R, *dKa = dPt + K * R, *dVa = dKa + K * Dq,
-        *tmp = dVa + K * Dq;
-  uint16_t *Pt = reinterpret_cast<uint16_t*>(tmp + 2 * Dq), *dSt = Pt + K * 64, *dSv = dSt + K * 64,
-           *rowbuf = dSv + K * R;
+  // each row tile's packs: whole pages, so each starts on one
+  const int64_t Dq = amx_dq(s.Dm), rp = s.row_tiles * R, Lkp = (s.Lk + K - 1) / K * K,
+                pack = ((R + 64) * Dq + 1023) / 1024 * 1024;
+  // Each region on a page boundary (Note [AMX buffers on page boundaries]); the
+  // scratch has a page of slack for each (attention_amx_backward_scratch_floats).
+  float *dQt = amx_page(scratch), *packs = amx_page(dQt + Dq * rp), *St = amx_page(packs + s.row_tiles * pack),
+        *dPt = amx_page(St + K * R), *dKa = amx_page(dPt + K * R), *dVa = amx_page(dKa + K * Dq);
+  uint16_t* Pt = reinterpret_cast<uint16_t*>(amx_page(dVa + K * Dq));
+  uint16_t* dSt = reinterpret_cast<uint16_t*>(amx_page(Pt + K * 64));
+  uint16_t* dSv = reinterpret_cast<uint16_t*>(amx_page(dSt + K * 64));
+  uint16_t* rowbuf = reinterpret_cast<uint16_t*>(amx_page(dSv + K * R));
+  float *L = amx_page(rowbuf + R * Dq), *Delta = L + rp, *lim = Delta + rp, *tmp = lim + rp;
   static thread_local AmxBwdKv kv;
   if (int64_t(kv.k.size()) < Lkp * Dq)
     kv.k.resize(size_t(Lkp * Dq)), kv.v.resize(size_t(Lkp * Dq)), kv.kt.resize(size_t(Lkp * Dq));

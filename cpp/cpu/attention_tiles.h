@@ -47,8 +47,10 @@ inline int64_t attention_fused_backward_scratch_floats(int64_t rows, int64_t hea
 inline int64_t attention_amx_backward_scratch_floats(int64_t rows, int64_t head_dim) {
   const int64_t R = kAttnRows, K = kAttnAmxBackwardKeys, Dq = amx_dq(head_dim),
                 tiles = (rows + R - 1) / R, rp = tiles * R;
+  // + a page of slack before each of its 11 regions and at the end of each row tile's packs
+  // (attention_backward_amx puts them on page boundaries)
   return Dq * rp + 3 * rp + tiles * (R + 64) * Dq + 2 * K * R + 2 * K * Dq + 2 * Dq +
-         (2 * K * 64 + K * R + R * Dq) / 2 + 16;
+         (2 * K * 64 + K * R + R * Dq) / 2 + 16 + (12 + tiles) * 1024;
 }
 
 }  // namespace tensor_ops::cpu
