@@ -27,6 +27,13 @@ constexpr int kNV = kNL / kVW;         // vectors per column block
 constexpr int kMR = 6;                 // rows per micro-kernel call (the kNL-lane block)
 static_assert(kAttnRows % kMR == 0 && kAttnRows % kNL == 0 && kAttnKeys % kNL == 0, "tile sizes");
 
+// p rounded up to the next page boundary (Note [AMX buffers on page
+// boundaries]): the kernels' scratch regions start on pages, so their
+// speed does not depend on where the pool's block fell.
+inline float* attn_page(void* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 4095) / 4096 * 4096);
+}
+
 // *p in every lane, as one broadcast load (splat's `vf{} + x` costs an add
 // before the broadcast: 12 extra uops per 12 FMAs in the micro-kernel).
 TENSOR_OPS_VEC_INLINE vf bcast(const float* p) {
@@ -683,16 +690,19 @@ class AmxTileScope {
   AmxTileConfig saved_;
 };
 
-// Note [AMX buffers on page boundaries]
+// Note [AMX buffers on page boundaries] (all attention kernels)
 // The AMX products read tiles at strides of whole kilobytes (V^T's rows are
 // Lkp * 2 bytes apart), and their speed depended on where the key buffers
 // and the scratch fell relative to each other in the cache sets: the same
 // bf16 forward, [1, 32/8, 1024, 128] non-causal on 1 thread, took 27-29 ms
 // in some processes and 44-49 ms in others, decided by the heap's state
 // when the buffers were allocated (how much Python had allocated before).
-// So the packed keys are page-aligned (AmxBuf) and the forward's scratch
-// regions start on page boundaries (attention_amx_rows): one layout, the
-// fast one, in every process.
+// So the packed keys are page-aligned (AmxBuf) and the forward's and
+// backward's scratch regions start on page boundaries (attention_amx_rows,
+// attention_backward_amx): one layout, the fast one, in every process. The
+// fp32 / fp16 kernels' scratch starts on a page too (attention_k,
+// attention_backward_k; fp32 [1, 32/8, 1024, 128] non-causal, 1 thread:
+// forward 113-123 -> 104-112 ms, forward+backward 427-461 -> 383-411 ms).
 class AmxBuf {
  public:
   uint16_t* data() const { return p_.get(); }
@@ -713,11 +723,6 @@ class AmxBuf {
   std::unique_ptr<uint16_t, Free> p_;
   size_t n_ = 0;
 };
-
-// p rounded up to the next page boundary (Note [AMX buffers on page boundaries]).
-inline float* amx_page(void* p) {
-  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 4095) / 4096 * 4096);
-}
 
 // One (batch, kv head)'s keys, padded: K [Lkp][Dq] and V^T [Dq][Lkp] bf16.
 struct AmxKv {
@@ -896,7 +901,7 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
   const int64_t Dq = kv.Dq, Lkp = kv.Lkp, Np = attn_pad(nr), QT = Np / 16;
   // Each region on a page boundary (Note [AMX buffers on page boundaries]):
   // the scratch has a page of slack for each.
-  const auto page = amx_page;
+  const auto page = attn_page;
   float* OT = page(scratch);                               // [Dq][R]: O^T in fp32
   float* St = page(OT + Dq * R);                           // [K][R]: S^T
   uint16_t* pv = reinterpret_cast<uint16_t*>(page(St + K * R));  // [K / 2][2R]: P^T, two keys per query
@@ -983,6 +988,7 @@ template <DType D>
 int attention_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   const to_tensor &q = c.inputs[0], &k = c.inputs[1], &v = c.inputs[2], &o = c.outputs[0], &lse = c.outputs[1];
   const AttnShape s(q, k, c);
+  scratch = attn_page(scratch);  // Note [AMX buffers on page boundaries]: every path's scratch from a page
   const int64_t Dp = s.Dp, R = kAttnRows, K = kAttnKeys;
   float *Q = scratch, *O = Q + R * Dp, *Kt = O + R * Dp, *V = Kt + Dp * K, *S = V + K * Dp, *m = S + R * K,
         *l = m + R;
@@ -1293,13 +1299,13 @@ void attention_backward_amx(const to_op_call& c, const AttnShape& s, int64_t i0,
                 pack = ((R + 64) * Dq + 1023) / 1024 * 1024;
   // Each region on a page boundary (Note [AMX buffers on page boundaries]); the
   // scratch has a page of slack for each (attention_amx_backward_scratch_floats).
-  float *dQt = amx_page(scratch), *packs = amx_page(dQt + Dq * rp), *St = amx_page(packs + s.row_tiles * pack),
-        *dPt = amx_page(St + K * R), *dKa = amx_page(dPt + K * R), *dVa = amx_page(dKa + K * Dq);
-  uint16_t* Pt = reinterpret_cast<uint16_t*>(amx_page(dVa + K * Dq));
-  uint16_t* dSt = reinterpret_cast<uint16_t*>(amx_page(Pt + K * 64));
-  uint16_t* dSv = reinterpret_cast<uint16_t*>(amx_page(dSt + K * 64));
-  uint16_t* rowbuf = reinterpret_cast<uint16_t*>(amx_page(dSv + K * R));
-  float *L = amx_page(rowbuf + R * Dq), *Delta = L + rp, *lim = Delta + rp, *tmp = lim + rp;
+  float *dQt = attn_page(scratch), *packs = attn_page(dQt + Dq * rp), *St = attn_page(packs + s.row_tiles * pack),
+        *dPt = attn_page(St + K * R), *dKa = attn_page(dPt + K * R), *dVa = attn_page(dKa + K * Dq);
+  uint16_t* Pt = reinterpret_cast<uint16_t*>(attn_page(dVa + K * Dq));
+  uint16_t* dSt = reinterpret_cast<uint16_t*>(attn_page(Pt + K * 64));
+  uint16_t* dSv = reinterpret_cast<uint16_t*>(attn_page(dSt + K * 64));
+  uint16_t* rowbuf = reinterpret_cast<uint16_t*>(attn_page(dSv + K * R));
+  float *L = attn_page(rowbuf + R * Dq), *Delta = L + rp, *lim = Delta + rp, *tmp = lim + rp;
   static thread_local AmxBwdKv kv;
   if (int64_t(kv.k.size()) < Lkp * Dq)
     kv.k.resize(size_t(Lkp * Dq)), kv.v.resize(size_t(Lkp * Dq)), kv.kt.resize(size_t(Lkp * Dq));
@@ -1395,6 +1401,7 @@ void attention_backward_amx(const to_op_call& c, const AttnShape& s, int64_t i0,
 template <DType D>
 int attention_backward_k(const to_op_call& c, int64_t i0, int64_t i1, float* scratch) {
   const AttnShape s(c.inputs[1], c.inputs[2], c);
+  scratch = attn_page(scratch);  // Note [AMX buffers on page boundaries]: every path's scratch from a page
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (D == DType::BFloat16 && c.ints[6] == 3) {
     attention_backward_amx(c, s, i0, i1, scratch);

@@ -22,7 +22,8 @@ inline int64_t amx_dq(int64_t head_dim) { return (head_dim + 31) / 32 * 32; }
 inline int64_t attention_scratch_floats(int64_t head_dim) {
   const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys, Dq = amx_dq(head_dim);
   // amx: its regions each start on a page (attention_amx_rows): up to a page of slack before each of six
-  const int64_t fp32 = 2 * R * Dp + 2 * K * Dp + R * K + 4 * R,
+  // + a page of slack: attention_k starts its regions on a page
+  const int64_t fp32 = 2 * R * Dp + 2 * K * Dp + R * K + 4 * R + 1024,
                 amx = 4 * R + 2 * Dq * R + kAttnAmxKeys * R * 3 / 2 + 6 * 1024;
   return fp32 > amx ? fp32 : amx;
 }
@@ -30,14 +31,14 @@ inline int64_t attention_backward_scratch_floats(int64_t head_dim) {
   const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys;
   const int64_t phase0 = 4 * K * Dp + 4 * R * Dp + 2 * K * R + 3 * R + Dp;
   const int64_t phase1 = 3 * R * Dp + 3 * Dp * K + 2 * R * K + 3 * R + Dp;
-  return phase0 > phase1 ? phase0 : phase1;
+  return (phase0 > phase1 ? phase0 : phase1) + 1024;  // + a page of slack (attention_backward_k)
 }
 // The fused backward (one item per batch and kv head): dQ, Q^T and dO^T for
 // all `rows` packed rows of the item, plus one key tile's and one row tile's
 // buffers.
 inline int64_t attention_fused_backward_scratch_floats(int64_t rows, int64_t head_dim) {
   const int64_t Dp = attn_pad(head_dim), R = kAttnRows, K = kAttnKeys, rp = (rows + R - 1) / R * R;
-  return 3 * rp * Dp + 3 * rp + 5 * K * Dp + 2 * R * K + 2 * R * Dp + Dp;
+  return 3 * rp * Dp + 3 * rp + 5 * K * Dp + 2 * R * K + 2 * R * Dp + Dp + 1024;  // + a page (attention_backward_k)
 }
 
 // The amx level's bf16 backward (attention_backward_amx): dQ^T, lse, Delta
