@@ -194,18 +194,25 @@ int softmax_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
     if (valid > 0 && (nan || !__builtin_isfinite(m))) {
       vmapx<D>(yr, valid, nt, [&](int64_t, auto) { return splat<vf>(__builtin_nanf("")); });
     } else if (valid > 0 && log) {
-      const double sum = vsum(valid, [&](int64_t i, auto a) { return exp_nonpos_t(xr.again(i, a) * scale - m); });
+      // scale x rounded before m is subtracted (rounded(): no FMA), as the
+      // max was taken: fused, x * scale - m is the exact product's excess
+      // over the rounded max, up to half an ulp of m above 0, which e^
+      // overflows once |scale x| passes ~2^31 (a row of 1e10 at scale 0.7
+      // gave NaN).
+      const double sum =
+          vsum(valid, [&](int64_t i, auto a) { return exp_nonpos_t(rounded(xr.again(i, a) * scale) - m); });
       // (v - m) - log(sum), not v - (m + log(sum)): near the float limit
       // m + log(sum) rounds log(sum) away.
       const float ls = float(__builtin_log(sum));
-      vmapx<D>(yr, valid, nt, [&](int64_t i, auto a) { return (xr.again(i, a) * scale - m) - ls; });
+      vmapx<D>(yr, valid, nt, [&](int64_t i, auto a) { return (rounded(xr.again(i, a) * scale) - m) - ls; });
     } else if (valid > 0) {
       // v = exp(scale x - m) and its sum in one pass (compute-bound: the
       // next row is prefetched meanwhile); y = v / sum from registers.
+      // scale x rounded as in the log branch.
       const char* next = next_row<D>(x, r, r1);
       const double sum = vsum(valid, [&](int64_t i, auto a) {
         prefetch_next<D>(next, i);
-        const vf e = exp_nonpos_t(xr.again(i, a) * scale - m);
+        const vf e = exp_nonpos_t(rounded(xr.again(i, a) * scale) - m);
         a.st(v + i, e);
         return e;
       });

@@ -7,6 +7,11 @@
 // pass reads x before writing y at the same place: y may be x.
 __kernel void softmax(const __global T* x, ulong x_off, ulong x_stride, __global T* y, ulong y_off, ulong y_stride,
                       ulong cols, float scale, int causal, int log_out, ulong lq, __local float* red) {
+  // x * scale rounded as the max was taken, never fused into the "- m": a
+  // fused difference is the exact product's excess over the rounded max, up
+  // to half an ulp of m above 0, which exp overflows once |scale x| passes
+  // ~2^31 (a row of 1e10 at scale 0.7 gave inf).
+#pragma OPENCL FP_CONTRACT OFF
   const ulong row = get_group_id(0);
   const ulong xr = x_off + row * x_stride, yr = y_off + row * y_stride;
   ulong valid = cols;

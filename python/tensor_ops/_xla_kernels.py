@@ -141,8 +141,22 @@ def _masked_softmax(v, keep, log: bool):
 
 @_jit("causal", "log")
 def softmax(x, scale, causal, log):
-    v = _acc(x) * scale
+    # scale (x - x's extreme), not scale x - max(scale x): XLA fuses the
+    # latter's product into the subtraction (an FMA, no way to stop it from
+    # here), which leaves the exact product's distance to the rounded max,
+    # up to half an ulp of it, and e^ of that under- or overflowed once
+    # |scale x| passed ~2^31 (a row of 1e10 at scale 0.7 came out all 0).
+    # Here the extreme element gives exactly 0 (its max for scale >= 0, its
+    # min below), and the product has nothing to fuse into.
+    # A row whose extreme is not finite (NaN, inf, nothing kept) takes
+    # scale x as before.
+    jnp = _jax().numpy
+    xf = _acc(x)
     keep = _causal_keep(*x.shape[-2:], causal) if causal else None
+    hi = xf if keep is None else jnp.where(keep, xf, -jnp.inf)
+    lo = xf if keep is None else jnp.where(keep, xf, jnp.inf)
+    ext = jnp.where(scale >= 0, jnp.max(hi, axis=-1, keepdims=True), jnp.min(lo, axis=-1, keepdims=True))
+    v = (xf - jnp.where(jnp.isfinite(ext), ext, 0.0)) * scale
     return _masked_softmax(v, keep, log).astype(x.dtype)
 
 

@@ -224,3 +224,21 @@ def test_causal_softmax_row_with_no_visible_column_is_documented_value_on_every_
     x = jnp.asarray(np.arange(6, dtype=np.float32).reshape(3, 2))
     y = np.asarray(tensor_ops.log_softmax(x, causal=True) if log else tensor_ops.softmax(x, causal=True))
     assert np.all(y[0] == expect), f"xla: row 0 = {y[0]}, documented {expect}"
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_scaled_softmax_of_huge_values_is_finite_on_every_target(log, target):
+    """softmax(x, scale) with |scale x| past ~2^31, where scale x is inexact
+    in fp32: the max is taken of rounded products, so a product fused into
+    the subtraction (x * scale - m as one FMA) exceeded the max by up to half
+    an ulp of it and e^ overflowed (NaN on the CPU, inf on OpenCL). The
+    float64 answer: uniform rows, and [0.5, 0.5, 0, 0, 0]."""
+    x = np.array([[1e10] * 5, [4e10, 4e10, 3.9e10, 0.0, 1.0], [-7e12, -7e12, 3.0, 3.0, 3.0]], np.float32)
+    scale = 0.7
+    x64 = x.astype(np.float64) * np.float32(scale).astype(np.float64)
+    z = x64 - x64.max(-1, keepdims=True)
+    want = z - np.log(np.exp(z).sum(-1, keepdims=True)) if log else np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    got = np.asarray(tensor_ops.log_softmax(x, scale=scale) if log else tensor_ops.softmax(x, scale=scale),
+                     dtype=np.float64)
+    assert np.all(np.isfinite(got) | (got == want)), f"{target}: {got}"
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str(target))
