@@ -331,6 +331,14 @@ def run(fn, args: list[Arg], outs: list, *extra):
         streams.call(fn, [a.array if a is not None else None for a in args], outs_n, extra, bf16)
 
 
+def bump_version(t) -> None:
+    """Counts an in-place write into the torch tensor t (torch's version
+    counter, as its own in-place ops): a graph that saved t then refuses to
+    backpropagate through stale values instead of using what we wrote."""
+    if is_torch(t):
+        _torch().autograd.graph.increment_version(t)
+
+
 def call(fn, args: list[Arg], out, *extra):
     """Runs fn(*arrays, out_array, *extra), copying strided inputs the core
     cannot take as they are (a correct answer beats a refusal)."""
@@ -351,6 +359,7 @@ def call(fn, args: list[Arg], out, *extra):
             if a is not None:
                 a.contiguous()
         streams.call(fn, [None if a is None else a.array for a in args], [out_arr], extra, bf16)
+    bump_version(out)
     return out
 
 

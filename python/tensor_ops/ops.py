@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import _C, _checks
-from ._arrays import Arg, empty_like, run
+from ._arrays import Arg, bump_version, check_out, empty_like, run
 from ._optable import invoke
 from ._types import Approximate, Array, CausalAlignment, Reduction
 from .errors import ExternalBackendSelected, InvalidArgumentError, UnsupportedError
@@ -298,11 +298,19 @@ def _ce(logits, target, ignore_index, reduction, grad, label_smoothing=0.0, z_lo
     if inplace and lg.kind == "dlpack":
         raise InvalidArgumentError("cross_entropy_with_grad: inplace=True needs numpy, torch or tensor_ops logits "
                                    f"(the gradient is written into them), got {type(logits).__name__}")
+    if inplace and grad:
+        if getattr(logits, "requires_grad", False):
+            raise InvalidArgumentError(
+                f"cross_entropy_with_grad: inplace=True writes the gradient into logits (shape "
+                f"{tuple(logits.shape)}, dtype {logits.dtype}), which require grad: autograd would use the "
+                "overwritten values; pass logits.detach() or inplace=False")
+        check_out(logits, "logits")  # the rest of what an out= must be
     # In place: the logits as given (numpy bfloat16 included), torch's without its autograd view.
     dlogits = ((lg.original if lg.kind == "numpy" else lg.array) if inplace else empty_like(lg)) if grad else None
     run(_C.cross_entropy, [lg, tg], [loss, dlogits], int(ignore_index), float(scale), *options)
     if inplace:
         dlogits = logits
+        bump_version(logits)
     if reduction == "none":
         return loss, dlogits
     total = (loss.numpy() if lg.kind == "tensor_ops" else loss).sum()

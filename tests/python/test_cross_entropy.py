@@ -191,3 +191,27 @@ def test_inplace_torch_and_bf16(rng):
     loss, dl = to.cross_entropy_with_grad(buf, tg, label_smoothing=0.1, inplace=True)
     assert dl is buf
     grad_close(buf, ref.grad.numpy(), "bfloat16", "torch bf16 in place")
+
+
+def test_in_place_writes_are_seen_by_autograd():
+    """An in-place write into a torch tensor (out=, cross_entropy_with_grad's
+    inplace=True) counts in its version, as torch's own in-place ops: a graph
+    that saved the tensor refuses to backpropagate (it used the overwritten
+    values silently); logits that require grad are refused for inplace=True."""
+    if torch is None:
+        pytest.skip("torch is not installed")
+    w, x = torch.randn(3, 5, requires_grad=True), torch.randn(3, 5)
+    y = (w * x).sum()
+    to.silu(torch.randn(3, 5), out=x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    logits = torch.randn(3, 5)
+    y = (w * logits).sum()
+    to.cross_entropy_with_grad(logits, torch.tensor([0, 1, 2]), inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    leaf = torch.randn(3, 5, requires_grad=True)
+    before = leaf.detach().clone()
+    with pytest.raises(to.InvalidArgumentError, match=r"inplace=True.*\(3, 5\).*require grad"):
+        to.cross_entropy_with_grad(leaf, torch.tensor([0, 1, 2]), inplace=True)
+    assert torch.equal(leaf.detach(), before)
