@@ -8,9 +8,13 @@ __kernel void layer_norm(const __global T* x, ulong x_off, ulong x_stride, const
                          ulong y_stride, ulong cols, float eps, __local float* red) {
   const ulong row = get_group_id(0);
   const ulong xr = x_off + row * x_stride, yr = y_off + row * y_stride;
+  // The mean as x0 + mean(x - x0), x0 the row's first element (the CPU's
+  // Note [layer_norm's mean]): a row of one value sums exact zeros and
+  // normalises to 0, not to its mean's rounding error over sqrt(eps).
+  const float x0 = load8n(x, xr, 1, 0.0f).s0;
   float8 acc = 0.0f;
-  TO_ROW_CHUNKS(cols) acc += load8n(x, xr + c, n, 0.0f);
-  const float mean = group_sum(hsum8(acc), red) / (float)cols;
+  TO_ROW_CHUNKS(cols) acc += select((float8)0.0f, load8n(x, xr + c, n, 0.0f) - x0, lanes_below(n));
+  const float mean = x0 + group_sum(hsum8(acc), red) / (float)cols;
   acc = 0.0f;
   TO_ROW_CHUNKS(cols) {
     const float8 d = select((float8)0.0f, load8n(x, xr + c, n, 0.0f) - mean, lanes_below(n));
@@ -58,9 +62,10 @@ __kernel void norm_backward_rows(const __global T* dy, ulong dy_off, ulong dy_st
   const ulong gr = dy_off + row * dy_stride, xr = x_off + row * x_stride, dr = dx_off + row * dx_stride;
   float8 acc = 0.0f;
   float mean = 0.0f;
-  if (layer) {
-    TO_ROW_CHUNKS(cols) acc += load8n(x, xr + c, n, 0.0f);
-    mean = group_sum(hsum8(acc), red) / (float)cols;
+  if (layer) {  // the forward's mean (layer_norm above)
+    const float x0 = load8n(x, xr, 1, 0.0f).s0;
+    TO_ROW_CHUNKS(cols) acc += select((float8)0.0f, load8n(x, xr + c, n, 0.0f) - x0, lanes_below(n));
+    mean = x0 + group_sum(hsum8(acc), red) / (float)cols;
     acc = 0.0f;
   }
   TO_ROW_CHUNKS(cols) {

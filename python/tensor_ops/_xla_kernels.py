@@ -96,7 +96,10 @@ def glu(g, u, act):
 
 def _ln(xf, wf, bf, eps):
     _, jnp, lax = _mods()
-    mu = jnp.mean(xf, axis=-1, keepdims=True)
+    # x0 + mean(x - x0), x0 the row's first element (the CPU's Note
+    # [layer_norm's mean]): a row of one value normalises to exactly 0
+    x0 = xf[..., :1]
+    mu = x0 + jnp.mean(xf - x0, axis=-1, keepdims=True)
     d = xf - mu
     y = d * lax.rsqrt(jnp.mean(d * d, axis=-1, keepdims=True) + eps) * wf
     return y if bf is None else y + bf

@@ -242,3 +242,15 @@ def test_scaled_softmax_of_huge_values_is_finite_on_every_target(log, target):
                      dtype=np.float64)
     assert np.all(np.isfinite(got) | (got == want)), f"{target}: {got}"
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str(target))
+
+
+def test_layer_norm_of_a_constant_row_is_its_bias_on_every_target(target):
+    """A row of one value normalises to exactly 0, so the output is the bias:
+    the mean summed in fp32 lanes was an ulp off, and that ulp divided by
+    sqrt(eps) gave up to 0.68 for a row of 12345.678 (the CPU backend)."""
+    for c in (1.7, 1000.3, 12345.678, -3.0e4):
+        for cols in (1, 7, 512, 4099):
+            x = np.full((3, cols), c, np.float32)
+            w, b = np.linspace(0.5, 2.0, cols, dtype=np.float32), np.linspace(-1.0, 1.0, cols, dtype=np.float32)
+            y = np.asarray(tensor_ops.layer_norm(x, w, b, 1e-5), dtype=np.float32)
+            assert np.array_equal(y, np.broadcast_to(b, y.shape)), f"{target}: c={c} cols={cols}: {y[0, :4]}"
