@@ -214,7 +214,11 @@ class Arg:
         if self.kind == "torch":
             self.array = self.array.contiguous()
         elif self.kind == "numpy":
-            self.array = np.ascontiguousarray(self.array)
+            # ascontiguousarray hands back a contiguous array as it is, even
+            # one whose start is not element-aligned (np.frombuffer at an odd
+            # offset): the core refuses that, so it is copied too.
+            a = self.array
+            self.array = np.ascontiguousarray(a) if a.flags.aligned else a.copy()
         else:
             self.kind = "numpy"
             self.array = np.ascontiguousarray(np.from_dlpack(self.array))

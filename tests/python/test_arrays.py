@@ -125,3 +125,20 @@ def test_readonly_input_ok(rng):
     x = rng.standard_normal((2, 9)).astype(np.float32)
     x.flags.writeable = False
     assert_close(tensor_ops.silu(x), ref_silu(x), "float32")
+
+
+def test_misaligned_contiguous_numpy_inputs_are_copied():
+    """A contiguous numpy array whose start is not element-aligned (np.frombuffer
+    at an odd offset: a file with a header) is copied once, like a strided one;
+    it was refused with a LayoutError (the contiguous retry handed it back as
+    it was)."""
+    raw = b"HDR" + np.arange(12, dtype=np.float32).tobytes()
+    x = np.frombuffer(raw, np.float32, offset=3).reshape(3, 4)
+    assert x.flags.c_contiguous and not x.flags.aligned
+    ref = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.testing.assert_array_equal(tensor_ops.silu(x), tensor_ops.silu(ref))
+    np.testing.assert_array_equal(tensor_ops.rms_norm(x, np.ones(4, np.float32), 1e-6),
+                                  tensor_ops.rms_norm(ref, np.ones(4, np.float32), 1e-6))
+    np.testing.assert_array_equal(tensor_ops.softmax(x), tensor_ops.softmax(ref))
+    t = np.frombuffer(b"X" + np.array([0, 3, 1], np.int64).tobytes(), np.int64, offset=1)
+    assert tensor_ops.cross_entropy(ref, t) == tensor_ops.cross_entropy(ref, np.array([0, 3, 1]))
