@@ -26,8 +26,8 @@ import types
 
 import numpy as np
 
-from . import _checks
-from .errors import DTypeError, InvalidArgumentError
+from . import _C, _checks
+from .errors import DTypeError, InvalidArgumentError, UnsupportedError
 from .ops import _ce_options, cross_entropy, cross_entropy_with_grad
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -89,6 +89,9 @@ def chunked(fw, hidden, weight, target, bias, ignore_index: int, chunk_size: int
     plain sum without dloss_rows), grad_weight and grad_bias in the
     accumulation dtype; (losses, None, None, None) without grads. options go
     to cross_entropy_with_grad."""
+    if _C.external_selected():  # the XLA shim has no fused linear cross-entropy: say so, as linear does
+        raise UnsupportedError("fused_linear_cross_entropy is not implemented by the XLA shim, which is selected "
+                               "for host arrays; run it with the cpu backend selected")
     n, h = hidden.shape
     v = weight.shape[0]
     acc = fw.acc_dtype(hidden.dtype)

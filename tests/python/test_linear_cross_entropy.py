@@ -360,3 +360,18 @@ def test_second_backward_refused(rng):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
+
+
+def test_with_the_xla_shim_selected_it_says_so():
+    """Under use("xla") the fused linear cross-entropy (numpy and torch forms)
+    raises UnsupportedError naming the shim, as linear does; it leaked the
+    core's internal ExternalBackendSelected."""
+    pytest.importorskip("jax")
+    import tensor_ops
+    from tensor_ops.errors import UnsupportedError
+
+    h, w, t = np.ones((4, 8), np.float32), np.ones((5, 8), np.float32), np.array([0, 1, 2, 3])
+    with tensor_ops.use("xla"):
+        with pytest.raises(UnsupportedError, match="XLA shim"):
+            tensor_ops.fused_linear_cross_entropy(h, w, t)
+    assert np.isfinite(tensor_ops.fused_linear_cross_entropy(h, w, t)[0])
