@@ -75,9 +75,10 @@ CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 
 
 def causal_mode(causal, causal_alignment: str) -> int:
-    """The kernels' causal mode: 0 none, 1 bottom-right, 2 top-left."""
+    """The kernels' causal mode: 0 none, 1 bottom-right, 2 top-left (causal
+    a bool: 'False' or 1 are refused, not read as truth values)."""
     _checks.choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
-    return 0 if not causal else (1 if causal_alignment == "bottom_right" else 2)
+    return 0 if not _checks.flag("causal", causal) else (1 if causal_alignment == "bottom_right" else 2)
 
 
 def _softmax(x, dim, scale, causal, log, causal_alignment="bottom_right"):

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from . import _checks
 from . import _xla_kernels as _k
 from ._xla_kernels import _jax
 from .errors import BackendUnavailableError, DTypeError, InvalidArgumentError, UnsupportedError
@@ -109,10 +110,8 @@ def _eps(op: str, eps) -> float:
 
 
 def _scale(op: str, scale) -> float:
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise InvalidArgumentError(f"{op}: scale must be finite, got {scale}")
-    return scale
+    # the native ops' checks (_checks.real): no float('2'), no bool
+    return _checks.real(f"{op}: scale", scale)
 
 
 def _approx(approximate) -> str:
@@ -297,7 +296,7 @@ def _rope(x, cos, sin, positions, interleaved, inverse):
     pos = _positions(positions, B, S)
     if _concrete(pos) and pos.size and not (0 <= int(pos.min()) and int(pos.max()) < cos.shape[0]):
         raise InvalidArgumentError(f"rope: a position is outside the cos/sin tables [0, {cos.shape[0]})")
-    return _k.rope(x, cos, -sin if inverse else sin, pos, bool(interleaved))
+    return _k.rope(x, cos, -sin if inverse else sin, pos, _checks.flag("interleaved", interleaved))
 
 
 def rope(x, cos, sin, positions=None, interleaved: bool = False):
@@ -386,6 +385,7 @@ def _ce_options(label_smoothing, z_loss, softcap):
 
 def _ce(logits, target, ignore_index, reduction, label_smoothing=0.0, z_loss=0.0, softcap=None):
     jnp = _jax().numpy
+    ignore_index = _checks.integer("ignore_index", ignore_index)  # as the native op: no int(1.5)
     ls, zl, cap = _ce_options(label_smoothing, z_loss, softcap)
     logits, target = _ce_args(logits, target, reduction)
     if _concrete(target) and target.size:
@@ -394,7 +394,11 @@ def _ce(logits, target, ignore_index, reduction, label_smoothing=0.0, z_loss=0.0
         if bad.any():
             raise InvalidArgumentError(f"cross_entropy: target {int(t[bad][0])} is outside [0, {logits.shape[1]}) "
                                        f"and is not ignore_index ({ignore_index})")
-    rows, grad = _k.cross_entropy(logits, target, int(ignore_index), ls, zl, cap)
+    if not -2 ** 31 <= ignore_index < 2 ** 31:
+        # past int32 it matches no target (the check above refused any target outside the classes): as
+        # natively, no row is ignored; jax takes the argument as int32
+        ignore_index = -2 ** 31
+    rows, grad = _k.cross_entropy(logits, target, ignore_index, ls, zl, cap)
     if reduction == "none":
         return rows, grad.astype(logits.dtype)
     total = jnp.sum(rows)

@@ -511,3 +511,29 @@ def test_top_level_ops_take_jax_arrays(rng):
     with tensor_ops.use("xla"):
         z = tensor_ops.silu(x)
     assert type(z) is np.ndarray and z.dtype == x.dtype
+
+
+def test_the_shim_checks_arguments_as_the_native_ops():
+    """jax arrays on the shim get the native ops' argument checks: causal,
+    interleaved must be bools ('False' was read as True), scale a real number
+    (not the string '2'), ignore_index an integer (1.5 was truncated); an
+    ignore_index past int32 matches no row, as natively (it overflowed jax)."""
+    from tensor_ops.errors import ArgumentTypeError
+
+    jnp = jax.numpy
+    q = jnp.ones((1, 2, 3, 4), jnp.float32)
+    x = jnp.ones((2, 5), jnp.float32)
+    with pytest.raises(ArgumentTypeError, match="causal"):
+        tensor_ops.attention(q, q, q, causal="False")
+    with pytest.raises(ArgumentTypeError, match="causal"):
+        tensor_ops.attention(q, q, q, causal=1)
+    with pytest.raises(ArgumentTypeError, match="scale"):
+        tensor_ops.softmax(x, scale="2")
+    with pytest.raises(ArgumentTypeError, match="ignore_index"):
+        tensor_ops.cross_entropy(x, jnp.array([0, 1], jnp.int32), ignore_index=1.5)
+    cos = jnp.ones((4, 2), jnp.float32)
+    with pytest.raises(ArgumentTypeError, match="interleaved"):
+        tensor_ops.rope(jnp.ones((1, 3, 2, 4), jnp.float32), cos, cos, interleaved="False")
+    t = np.array([0, 1], np.int32)
+    want = tensor_ops.cross_entropy(np.asarray(x), t, ignore_index=2 ** 40)
+    assert float(tensor_ops.cross_entropy(x, jnp.asarray(t), ignore_index=2 ** 40)) == pytest.approx(float(want))
