@@ -139,10 +139,21 @@ def set_backend(name: str | None) -> None:
     """Selects the backend for host arrays; None or "auto" restores automatic
     selection. "xla" / "tpu" select the XLA shim (tensor_ops.xla). Unknown or
     unusable names raise."""
+    global _set_name
     name = "auto" if name is None else _backend_name(name)
     if _route.is_name(name):
         _require_shim(name)
     _C.set_backend(name)
+    _set_name = name
+
+
+_set_name = "auto"  # the last set_backend() selection ("auto": none)
+
+
+def last_set_backend() -> str:
+    """The last set_backend() selection ("auto" for none), which a failed
+    TensorOpsConfig.apply() restores."""
+    return _set_name
 
 
 def _backend_name(name) -> str:

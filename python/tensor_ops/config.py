@@ -253,6 +253,22 @@ class TensorOpsConfig:
         """Applies every field that is set; returns what it did, one line each."""
         global _applied
         self.validate()
+        # The process-wide switches are put back if a later field fails (an
+        # OpenCL device that does not exist): a failed apply() changes nothing
+        # it set before (it left the backend switched and the pool resized).
+        from .backends import last_set_backend, set_backend
+
+        backend_before, threads_before = last_set_backend(), _C.cpu_num_threads()
+        try:
+            return self._apply_all()
+        except BaseException:
+            if self.backend is not None:
+                set_backend(backend_before)
+            _C.cpu_set_num_threads(threads_before)
+            raise
+
+    def _apply_all(self) -> List[str]:
+        global _applied
         done: List[str] = []
         if self.backend is not None:
             from .backends import set_backend

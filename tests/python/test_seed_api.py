@@ -372,6 +372,19 @@ def test_configure_sets_backend(restore):
     assert tensor_ops.get_config() is c and tensor_ops.get_backend() == "cpu"
 
 
+def test_a_failed_apply_changes_nothing_it_set(restore):
+    """apply() puts back the backend selection and the CPU thread count when
+    a later field fails (an OpenCL device that does not exist): it left the
+    backend switched and the pool resized, with get_config() unchanged."""
+    if "opencl" not in {b.name for b in tensor_ops.backends() if b.usable}:
+        pytest.skip("needs a usable OpenCL backend to select")
+    threads = tensor_ops._C.cpu_num_threads()
+    with pytest.raises(tensor_ops.InvalidArgumentError, match="OpenCL device 7"):
+        tensor_ops.configure(backend="opencl", cpu={"threads": 1}, opencl={"device": 7})
+    assert tensor_ops.get_backend() == "cpu" and tensor_ops._C.cpu_num_threads() == threads
+    assert tensor_ops.get_config() is None
+
+
 # ---- FlashAttention with masks -------------------------------------------------------------------
 
 
