@@ -78,15 +78,11 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
                b_vec = b && aligned16(b + s.head);
     RowRegs<T, V, Grouped> a;
     float part = 0.0f;
-    // The mean as x0 + mean(x - x0), x0 the row's first element (the CPU's
-    // Note [layer_norm's mean]): a row of one value sums exact zeros and
-    // normalises to 0, not to its mean's rounding error over sqrt(eps).
-    const float x0 = r < rows ? to_f32(xr[0]) : 0.0f;
     for_chunks(g, in_registers, true, s, a, [&](int64_t, const auto& c) {
 #pragma unroll
-      for (int k = 0; k < kWidth<decltype(c)>; ++k) part += c[k] - x0;
+      for (int k = 0; k < kWidth<decltype(c)>; ++k) part += c[k];
     }, xr);
-    const float mean = x0 + float(double(group_sum(g, part)) / double(cols));
+    const float mean = float(double(group_sum(g, part)) / double(cols));
     part = 0.0f;
     for_chunks(g, in_registers, false, s, a, [&](int64_t, const auto& c) {
 #pragma unroll
@@ -197,14 +193,13 @@ __global__ void __launch_bounds__(kBackwardThreads)
         gc[j] = reinterpret_cast<const C*>(dy + r * dy_stride)[idx[j]];
       }
     float mean = 0.0f, part = 0.0f;
-    if (Layer) {  // the forward's mean (x0 + mean(x - x0))
-      const float x0 = to_f32(x[r * x_stride]);
+    if (Layer) {
 #pragma unroll
       for (int j = 0; j < K; ++j)
         if (has[j])
 #pragma unroll
-          for (int k = 0; k < V; ++k) part += to_f32(xc[j].v[k]) - x0;
-      mean = x0 + float(double(block_sum(part)) / double(cols));
+          for (int k = 0; k < V; ++k) part += to_f32(xc[j].v[k]);
+      mean = float(double(block_sum(part)) / double(cols));
       part = 0.0f;
     }
 #pragma unroll
@@ -279,15 +274,14 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     const T* xr = x + r * x_stride;
     const T* gr = dy + r * dy_stride;
     float mean = 0.0f, part = 0.0f;
-    if (Layer) {  // the forward's mean (x0 + mean(x - x0))
-      const float x0 = to_f32(xr[0]);
+    if (Layer) {
       for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
         float a[V];
         load_chunk(xr, i, a);
 #pragma unroll
-        for (int k = 0; k < V; ++k) part += a[k] - x0;
+        for (int k = 0; k < V; ++k) part += a[k];
       }
-      mean = x0 + float(double(block_sum(part)) / double(cols));
+      mean = float(double(block_sum(part)) / double(cols));
       part = 0.0f;
     }
     for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
