@@ -949,22 +949,18 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
       auto prob_fast = [&](int64_t jj) -> vf {
         return jj < nk ? exp_nonpos_sum_t(vload(St + jj * R + g) * esc + nmx) : vf{};
       };
-      vf sum = {};
-      if (store) {
+      // P^T's pairs and their sum, the loop compiled once per kind of tile
+      auto pairs = [&](auto p) {
+        vf sum = {};
         for (int64_t jj = 0; jj < nk32; jj += 2) {
-          const vf p0 = prob(jj), p1 = prob(jj + 1);
+          const vf p0 = p(jj), p1 = p(jj + 1);
           sum += p0;
           sum += p1;
           _mm512_storeu_si512(pv + (jj / 2) * 2 * R + 2 * g, amx_key_pair(p0, p1));
         }
-      } else {
-        for (int64_t jj = 0; jj < nk32; jj += 2) {
-          const vf p0 = prob_fast(jj), p1 = prob_fast(jj + 1);
-          sum += p0;
-          sum += p1;
-          _mm512_storeu_si512(pv + (jj / 2) * 2 * R + 2 * g, amx_key_pair(p0, p1));
-        }
-      }
+        return sum;
+      };
+      const vf sum = store ? pairs(prob) : pairs(prob_fast);
       const vf cr = from_bits(as_bits(exp_nonpos_t((mo - mx) * esc)) & seen);
       vstore(l + g, vload(l + g) * cr + sum);
       vstore(m + g, mx);

@@ -9,6 +9,7 @@
 #include <new>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>

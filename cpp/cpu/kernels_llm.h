@@ -41,7 +41,7 @@ inline float dot_short(const float* a, const float* b, int64_t n) {
 // element (the shifted-data sum: such a row sums exact zeros), and its
 // variance about that: two more passes for those rows only (a shifted sum
 // for every row cost bf16 layer_norm 7-10%). Forward and backward decide
-// alike, from the same sums.
+// alike, from the same sums (layer_mean_and).
 template <DType D, bool Shifted>
 TENSOR_OPS_VEC_INLINE float layer_mean(const void* xr, int64_t cols) {
   if constexpr (!Shifted) return float(vsum(cols, [&](int64_t i, auto a) { return ldx<D>(xr, i, a); }) / double(cols));
@@ -55,27 +55,18 @@ TENSOR_OPS_VEC_INLINE bool layer_mean_again(float m, double var) {
   return var <= (64 * ulp) * (64 * ulp);
 }
 
-// The mean (Note [layer_norm's mean]) and the variance about it.
-struct LayerMoments {
-  float mean;
-  double var;
-};
-template <DType D>
-TENSOR_OPS_VEC_INLINE LayerMoments layer_moments(const void* xr, int64_t cols) {
-  auto var_about = [&](float m) {
-    return vsum(cols, [&](int64_t i, auto a) {
-             const vf d = ldx<D>(xr, i, a) - m;
-             return d * d;
-           }) /
-           double(cols);
-  };
+// A row's mean (Note [layer_norm's mean]) and sums(mean), whose first
+// element is the sum of (x - mean)^2: the one decision forward and backward
+// share (their sums differ: the backward's add the gradient's).
+template <DType D, class Sums>
+TENSOR_OPS_VEC_INLINE auto layer_mean_and(const void* xr, int64_t cols, Sums sums) {
   float mean = layer_mean<D, false>(xr, cols);
-  double var = var_about(mean);
-  if (layer_mean_again(mean, var)) {
+  auto s = sums(mean);
+  if (layer_mean_again(mean, s[0] / double(cols))) {
     mean = layer_mean<D, true>(xr, cols);
-    var = var_about(mean);
+    s = sums(mean);
   }
-  return {mean, var};
+  return std::make_pair(mean, s);
 }
 
 template <DType D>
@@ -99,9 +90,14 @@ int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
   for (int64_t r = r0; r < r1; ++r) {
     // Three passes over the row (the last two from cache); y from registers.
     const void* xr = row_of<D>(x, r);
-    const LayerMoments mo = layer_moments<D>(xr, cols);
-    const float mean = mo.mean;
-    const double var = mo.var;
+    const auto ms = layer_mean_and<D>(xr, cols, [&](float m) {
+      return vsums<1>(cols, [&](int64_t i, auto a) {
+        const vf d = ldx<D>(xr, i, a) - m;
+        return std::array<vf, 1>{d * d};
+      });
+    });
+    const float mean = ms.first;
+    const double var = ms.second[0] / double(cols);
     const float rstd = float(1.0 / __builtin_sqrt(var + double(eps)));
     const char* nx = next_row<D>(x, r, r1);
     vmapx<D>(row_of<D>(y, r), cols, c.ints[7], [&](int64_t i, auto a) {
@@ -134,19 +130,14 @@ int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
     // in dx); c1 = mean(g x_hat), c2 = mean(g).
     float mean = 0, rstd, c1, c2 = 0;
     if constexpr (Layer) {
-      // the forward's mean and variance (layer_moments, Note [layer_norm's mean])
-      auto sums = [&](float m) {
+      // the forward's mean and variance (layer_mean_and), the gradient's sums in the same pass
+      const auto [m, s] = layer_mean_and<D>(xr, cols, [&](float mu) {
         return vsums<3>(cols, [&](int64_t i, auto a) {
-          const vf d = ldx<D>(xr, i, a) - m, g = rounded(ldx<D>(gr, i, a) * a.ld(wf + i));
+          const vf d = ldx<D>(xr, i, a) - mu, g = rounded(ldx<D>(gr, i, a) * a.ld(wf + i));
           return std::array<vf, 3>{d * d, g * d, g};
         });
-      };
-      mean = layer_mean<D, false>(xr, cols);
-      auto s = sums(mean);
-      if (layer_mean_again(mean, s[0] / n)) {
-        mean = layer_mean<D, true>(xr, cols);
-        s = sums(mean);
-      }
+      });
+      mean = m;
       rstd = float(1.0 / __builtin_sqrt(s[0] / n + eps));
       c1 = float(s[1] * double(rstd) / n);
       c2 = float(s[2] / n);

@@ -128,11 +128,7 @@ def _activation_forward(self, x):
 
 
 def _rms_norm_forward(self, x):
-    w = self.weight
-    if w.dtype == x.dtype:
-        return ops.rms_norm(x, w, self.variance_epsilon)
-    # HF's weight * normed.to(x.dtype): the promoted dtype (modules.HFRMSNorm)
-    return w * ops.rms_norm(x, torch.ones(w.shape, dtype=x.dtype, device=x.device), self.variance_epsilon)
+    return modules.hf_rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def _offset_rms_norm_forward(self, x):

@@ -67,6 +67,16 @@ class RMSNorm(nn.RMSNorm):
         return y.view(x.shape)
 
 
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' *RMSNorm forward on our kernel: weight * normed.to(x.dtype).
+    A weight of another dtype than x (an fp32 weight on bf16 activations
+    under autocast) gives the promoted dtype, as HF's: the normalised x in
+    x's dtype, then times the weight."""
+    if weight.dtype == x.dtype:
+        return ops.rms_norm(x, weight, eps)
+    return weight * ops.rms_norm(x, torch.ones(weight.shape, dtype=x.dtype, device=x.device), eps)
+
+
 class HFRMSNorm(RMSNorm):
     """What prepare_model puts in place of transformers' *RMSNorm classes
     (LlamaRMSNorm, Qwen3RMSNorm...): RMSNorm, except for a weight of another
@@ -78,8 +88,7 @@ class HFRMSNorm(RMSNorm):
         w = self.weight
         if w is None or w.dtype == x.dtype or x.dtype not in _KERNEL_DTYPES or len(self.normalized_shape) != 1:
             return super().forward(x)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return w * ops.rms_norm(x, torch.ones(w.shape, dtype=x.dtype, device=x.device), eps)
+        return hf_rms_norm(x, w, self.eps if self.eps is not None else torch.finfo(x.dtype).eps)
 
 
 class LayerNorm(nn.LayerNorm):
