@@ -73,7 +73,7 @@ except ImportError as e:  # pragma: no cover - exercised without transformers on
                       f"(or pip install transformers): {e}") from e
 
 from . import functional as ops
-from . import modules
+from . import modules, swap_check
 from .flash_attention import _additive, scaled_dot_product_attention
 from .fused_linear import FusedLinearGELU, FusedLinearSiLU, linear_activation
 from .linear_cross_entropy import fused_linear_cross_entropy as _flce
@@ -136,13 +136,31 @@ def _offset_rms_norm_forward(self, x):
     return ops.rms_norm(x, self.weight.to(x.dtype), self.eps, 1.0)
 
 
+def _eps_rms_norm_forward(self, x):
+    # Gemma 3n / Gemma 4's RMSNorm: Gemma's eps attribute and fp32 arithmetic, weight without the offset.
+    return ops.rms_norm(x, self.weight.to(x.dtype), self.eps)
+
+
+def _gated_mlp(m, x, kind: str):
+    return m.down_proj(_glu(m.gate_proj(x), m.up_proj(x), kind))
+
+
 def _gated_mlp_forward(self, x):
-    return self.down_proj(_glu(self.gate_proj(x), self.up_proj(x), self._tensor_ops_act))
+    return _gated_mlp(self, x, self._tensor_ops_act)
+
+
+def _gate_up_mlp(m, x, kind: str):
+    gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
+    return m.down_proj(_glu(gate, up, kind))
 
 
 def _gate_up_mlp_forward(self, x):
-    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-    return self.down_proj(_glu(gate, up, self._tensor_ops_act))
+    return _gate_up_mlp(self, x, self._tensor_ops_act)
+
+
+# What the plain forms' forwards read (Note [checked swaps]): HF's LlamaMLP and Phi3MLP.
+_GATED_NAMES = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
+_GATE_UP_NAMES = frozenset({"gate_up_proj", "chunk", "activation_fn", "down_proj"})
 
 
 def _conv1d_activation_forward(self, x):
@@ -209,15 +227,24 @@ def _swap_norm(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
     if not (_hf_class(m) and name.endswith("RMSNorm")):
         return False
     w = getattr(m, "weight", None)
-    ok = isinstance(w, nn.Parameter) and w.dim() == 1
-    if ok and name.startswith("Gemma") and isinstance(getattr(m, "eps", None), float):
-        _swap_class(m, _offset_rms_norm_forward, "rms_norm kernel, weight offset 1", counts)
+    if not isinstance(w, nn.Parameter) or w.dim() != 1:
+        warnings.append(f"{path} ({name}) looks like an RMSNorm but was left as is: no 1-d weight Parameter")
         return True
-    if ok and isinstance(getattr(m, "variance_epsilon", None), float) and not name.startswith("Gemma"):
-        _swap_class(m, _rms_norm_forward, "rms_norm kernel", counts)
-        return True
-    warnings.append(f"{path} ({name}) looks like an RMSNorm but was left as is: no 1-d weight Parameter with a "
-                    f"float variance_epsilon (or eps for Gemma's 1 + weight form)")
+    # The forms we have, by the eps attribute the class keeps; each checked against the module's own
+    # forward (Note [checked swaps]): Gemma's 1 + weight, Gemma 3n / 4's plain weight under that name.
+    if isinstance(getattr(m, "variance_epsilon", None), float):
+        forms = ((_rms_norm_forward, "rms_norm kernel"),)
+    elif isinstance(getattr(m, "eps", None), float):
+        forms = ((_offset_rms_norm_forward, "rms_norm kernel, weight offset 1"), (_eps_rms_norm_forward, "rms_norm kernel"))
+    else:
+        forms = ()
+    why = "no float variance_epsilon or eps"
+    for forward, what in forms:
+        why = swap_check.same_output(m, lambda x, f=forward: f(m, x), w.shape[0])
+        if why is None:
+            _swap_class(m, forward, what, counts)
+            return True
+    warnings.append(f"{path} ({name}) looks like an RMSNorm but was left as is: {why}")
     return True
 
 
@@ -238,6 +265,9 @@ def _swap_gated_mlp(m: nn.Module, path: str, warnings: List[str], counts) -> boo
             why = f"activation_fn {type(children['activation_fn']).__name__} has no tensor_ops kernel"
         elif not _hf_class(m):
             why = "not a transformers class (its forward is unknown)"
+        else:  # Note [checked swaps]
+            why = swap_check.names_mismatch(m, _GATE_UP_NAMES) or swap_check.same_output(
+                m, lambda x: _gate_up_mlp(m, x, kind), d.out_features)
         if why:
             warnings.append(f"{path} ({name}) looks like a fused gate/up MLP but was left as is: {why}")
         else:
@@ -246,13 +276,18 @@ def _swap_gated_mlp(m: nn.Module, path: str, warnings: List[str], counts) -> boo
         return True
     if {"gate_proj", "up_proj", "down_proj"} <= set(children) and _hf_class(m):
         kind = activation_kind(children.get("act_fn"))
-        if set(children) == {"gate_proj", "up_proj", "down_proj", "act_fn"} and kind is not None and all(
+        why = None
+        if set(children) != _GATED_NAMES or kind is None or not all(
                 type(children[c]) is nn.Linear for c in ("gate_proj", "up_proj", "down_proj")):
+            why = f"children {sorted(children)}, act_fn {type(children.get('act_fn')).__name__} (kernel: {kind})"
+        else:  # Note [checked swaps]
+            why = swap_check.names_mismatch(m, _GATED_NAMES) or swap_check.same_output(
+                m, lambda x: _gated_mlp(m, x, kind), children["down_proj"].out_features)
+        if why:
+            warnings.append(f"{path} ({name}) looks like a gated MLP but was left as is: {why}")
+        else:
             _swap_class(m, _gated_mlp_forward, f"{kind} GLU kernel", counts, _tensor_ops_act=kind)
             _swap_activation(children["act_fn"], collections.Counter())  # unused by our forward: consistent
-        else:
-            warnings.append(f"{path} ({name}) looks like a gated MLP but was left as is: children {sorted(children)}"
-                            f", act_fn {type(children.get('act_fn')).__name__} (kernel: {kind})")
         return True
     return False
 
@@ -404,8 +439,9 @@ def _unsupported(query, key, value, dropout, kwargs) -> Optional[str]:
     return None
 
 
-def _softcapped_attention(q, k, v, mask, dropout, causal, scale, softcap):
-    """Gemma 2's attention: softcap * tanh(scale q k^T / softcap) + mask, our softmax, @ v."""
+def _softcapped_attention(q, k, v, mask, dropout, causal, scale, softcap, eager_rows=False):
+    """Gemma 2's attention: softcap * tanh(scale q k^T / softcap) + mask, our softmax, @ v; with
+    eager_rows the mask adds the dtype's minimum, as eager's does (Note [eager's empty rows])."""
     hq, hkv = q.shape[1], k.shape[1]
     if hq != hkv:
         k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
@@ -413,7 +449,7 @@ def _softcapped_attention(q, k, v, mask, dropout, causal, scale, softcap):
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        scores = scores + _additive(mask, acc)
+        scores = scores + (_eager_mask(mask, q, k, False).to(acc) if eager_rows else _additive(mask, acc))
     if causal:
         lq, lk = scores.shape[-2:]
         keep = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril(0)
@@ -477,19 +513,52 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    eager_rows = (attention_mask is not None and attention_mask.dtype == torch.bool
+                  and getattr(module, _EAGER_ROWS, False))
+    if (eager_rows and softcap is None and torch.is_grad_enabled()
+            and (query.requires_grad or key.requires_grad or value.requires_grad)
+            and (torch.compiler.is_compiling() or not bool(attention_mask.any(-1).all()))):
+        return _fallback("a query row with no key to attend (left padding) in a model loaded with eager attention, "
+                         "while recording gradients (eager's gradients there, Note [eager's empty rows])",
+                         module, query, key, value, attention_mask, is_causal, dropout=dropout, scaling=scaling,
+                         softcap=softcap, **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and kv_len > q_len:  # as sdpa_attention_forward: an empty static cache's prefill
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     if softcap is not None:
-        out = _softcapped_attention(query, key, value, attention_mask, dropout, causal, scale, softcap)
+        out = _softcapped_attention(query, key, value, attention_mask, dropout, causal, scale, softcap, eager_rows)
     elif attention_mask is None and not dropout:
         out = ops.attention(query, key, value, causal, scale, causal_alignment="top_left")
     else:
         out = scaled_dot_product_attention(query, key, value, attention_mask, dropout, causal, scale,
                                            training=True, causal_alignment="top_left")
+    if eager_rows and softcap is None:
+        out = _eager_empty_rows(out, value, attention_mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+# Note [eager's empty rows]: a query row whose keys are all masked (a left pad's position, where the
+# causal and padding masks meet) is 0 in our attention, as in SDPA; a model's eager attention adds the
+# dtype's minimum to every score of that row, which absorbs the scores, so its softmax is uniform and
+# the row is the mean of V. Such a row reaches the loss (the last pad predicts the first real token):
+# a left-padded Gemma 2 training batch lost 2.7e-3 against HF and its gradients 0.13 relative. So a
+# model that ran eager attention before prepare_model keeps eager's answers there (its attention
+# modules carry _EAGER_ROWS, set by _set_attention): the row is V's mean; softcapped attention, which
+# builds the scores anyway, adds eager's minimum; and a call that records gradients with such a row
+# runs the model's eager attention, since eager's gradient reaches q and k through those absorbed
+# scores (uniform softmax, nonzero Jacobian), which no kernel that skips them can give.
+_EAGER_ROWS = "_tensor_ops_eager_empty_rows"
+
+
+def _eager_empty_rows(out: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """out [batch, heads, Lq, d] with each row that the bool mask [batch, 1 | heads, Lq, Lk] leaves
+    no key replaced by the mean of its kv head's values (no data-dependent branch: compiles whole)."""
+    mean = value.mean(-2, keepdim=True).to(out.dtype)
+    if out.shape[1] != mean.shape[1]:
+        mean = mean.repeat_interleave(out.shape[1] // mean.shape[1], 1)
+    return torch.where(mask.any(-1, keepdim=True), out, mean)
 
 
 def register_attention() -> str:
@@ -517,8 +586,10 @@ def _set_attention(model: nn.Module, warnings: List[str], counts) -> None:
         warnings.append(f"attention left as {config._attn_implementation!r}: {type(model).__name__} does not "
                         f"dispatch through transformers' AttentionInterface")
         return
-    n = sum(1 for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config"))
-    counts[f"attention {old} -> {ATTENTION} (AttentionInterface) in {n} attention modules"] += 1
+    attention_modules = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config")]
+    for m in attention_modules:  # Note [eager's empty rows]
+        setattr(m, _EAGER_ROWS, old == "eager")
+    counts[f"attention {old} -> {ATTENTION} (AttentionInterface) in {len(attention_modules)} attention modules"] += 1
     natives = sorted({str(t.dtype)[len("torch."):] for t in model.parameters()
                       if t.is_cpu and native_half_attention(t.dtype)})
     if natives:
@@ -567,15 +638,52 @@ def _rope_function(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
+_ROPE_CHECKED: Dict[Callable, Optional[str]] = {}  # HF's apply_rotary_pos_emb -> _rope_mismatch's answer
+
+
+def _rope_mismatch(original: Callable) -> Optional[str]:
+    """None when our RoPE computes what a modeling module's own
+    apply_rotary_pos_emb computes, else why not (Note [checked swaps]):
+    called as Llama's, (q, k, cos, sin) with q / k [batch, heads, seq, d]
+    and cos / sin [batch, seq, rotary_dim] holding the same half twice, on
+    the whole head and on part of it. Families with another layout
+    (Cohere, GLM, Helium: interleaved pairs) or signature (GPT-J, CodeGen,
+    Gemma 4) give wrong answers or raise under ours: their RoPE stays HF's."""
+    if original in _ROPE_CHECKED:
+        return _ROPE_CHECKED[original]
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    why = None
+    for rd in (16, 8):  # whole head, then partial (a form that raises on it is never called so)
+        f = torch.randn(2, 5, rd // 2, generator=g) * 3
+        cos, sin = torch.cat([f.cos(), f.cos()], -1), torch.cat([f.sin(), f.sin()], -1)
+        try:
+            want = original(q, k, cos, sin)
+        except Exception as e:  # noqa: BLE001 - another signature
+            if rd == 16:
+                why = f"its {_ROPE}(q, k, cos, sin) raised {type(e).__name__}: {e}"
+            break
+        with torch.no_grad():
+            got = _rope_function(original)(q, k, cos, sin)
+        if not (isinstance(want, tuple) and len(want) == 2 and all(
+                torch.is_tensor(w) and w.shape == o.shape and torch.allclose(w, o, rtol=1e-5, atol=1e-5)
+                for w, o in zip(want, got))):
+            why = f"its {_ROPE} computes another rotation than Llama's (rotary dim {rd} of head dim 16)"
+            break
+    _ROPE_CHECKED[original] = why
+    return why
+
+
 def patch_rope(modeling: types.ModuleType) -> bool:
     """Replaces modeling.apply_rotary_pos_emb by ours PROCESS-WIDE: every
     model of that family in this process, prepared or not, runs our RoPE
     until unpatch_rope(modeling). Only the Liger-style class patch before
     loading (apply_tensor_ops_kernel without model=) does this, as Liger
     does; prepare_model scopes RoPE to the model's own modules (scope_rope).
-    False when the module has none. Idempotent."""
+    False when the module has none, or one whose layout or signature is
+    not ours (_rope_mismatch). Idempotent."""
     fn = getattr(modeling, _ROPE, None)
-    if fn is None:
+    if fn is None or _rope_mismatch(getattr(fn, "_tensor_ops_original", fn)) is not None:
         return False
     if not hasattr(fn, "_tensor_ops_original"):
         setattr(modeling, _ROPE, _rope_function(fn))
@@ -680,6 +788,10 @@ def _rope_methods(cls: type) -> Dict[str, Any]:
             if not isinstance(inner, types.FunctionType) or _ROPE not in inner.__globals__:
                 continue
             if _rope_scope(inner.__globals__)[1] & _code_names(inner.__code__):
+                original = inner.__globals__[_ROPE]
+                why = _rope_mismatch(getattr(original, "_tensor_ops_original", original))
+                if why is not None:
+                    raise ValueError(f"{inner.__globals__.get('__name__', klass.__module__)}: {why}")
                 if inner is not fn:
                     raise ValueError(f"{klass.__name__}.{name} is wrapped by a decorator ({fn.__module__}."
                                      f"{fn.__qualname__}), so its {_ROPE} cannot be rebound without losing "
@@ -827,11 +939,13 @@ def _causal_lm_forward(original: Callable) -> Callable:
         def loss_fn(reduction):
             return _flce(hidden, head.weight, targets.to(hidden.device), head.bias, ignore_index, reduction)
 
+        rest = CausalLMOutputWithPast(past_key_values=getattr(outputs, "past_key_values", None),
+                                      hidden_states=getattr(outputs, "hidden_states", None),
+                                      attentions=getattr(outputs, "attentions", None))
         loss = _reduce(loss_fn, num_items)
-        out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
-                                     hidden_states=getattr(outputs, "hidden_states", None),
-                                     attentions=getattr(outputs, "attentions", None))
-        return out.to_tuple() if as_tuple else out
+        if as_tuple:  # HF's positions: the logits slot kept, None (as Liger's), so out[2] is still the cache
+            return (loss, None) + rest.to_tuple()
+        return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
 
     forward._tensor_ops_original = original
     return forward

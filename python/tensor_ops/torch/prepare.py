@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 import tensor_ops
 from tensor_ops import BackendUnavailableError
 
-from . import modules
+from . import modules, swap_check
 from .factory import Backend, BackendFactory, BackendType
 
 
@@ -102,10 +102,14 @@ def _gated_mlp(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Modu
         why = "the Linear shapes do not chain"
     elif act is None:
         why = f"act_fn {type(children['act_fn']).__name__} is not SiLU or GELU"
+    else:  # Note [checked swaps] (swap_check.py)
+        why = swap_check.names_mismatch(m, frozenset(_MLP_CHILDREN))
+    swiglu = None if why else modules.SwiGLU.from_linears(g, u, d, act)
+    why = why or swap_check.same_output(m, swiglu, g.in_features)
     if why:
         warnings.append(f"{path or 'the model'} ({type(m).__name__}) looks like a gated MLP but was left as is: {why}")
         return None
-    return modules.SwiGLU.from_linears(g, u, d, act)
+    return swiglu
 
 
 def _hf_rms_norm(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Module]:
@@ -119,6 +123,10 @@ def _hf_rms_norm(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Mo
         return None
     norm = modules.HFRMSNorm(w.shape[0], eps=eps, device="meta")
     norm.weight = w
+    why = swap_check.same_output(m, norm, w.shape[0])  # Note [checked swaps]
+    if why:
+        warnings.append(f"{path or 'the model'} ({type(m).__name__}) was left as is: {why}")
+        return None
     return norm
 
 
