@@ -290,20 +290,40 @@ def test_values_and_gradients_match_torch(name, eager_path):
         assert rel_err(ga.grad, gb.grad) < 1e-4, f"{name} grad of input {i}"
 
 
+@pytest.mark.parametrize("loss", ["pow2", "sum"])
 @pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "silu", "gelu", "softmax_causal", "swiglu", "attention_scale"])
-def test_second_derivatives_raise_rather_than_miss_terms(name, eager_path):
+def test_second_derivatives_raise_rather_than_miss_terms(name, loss, eager_path):
     """Note [first-order gradients]: our backward kernels record no autograd,
     so differentiating a gradient through them (create_graph=True, then a
     gradient penalty's backward) raises; before, the penalty's gradient
-    silently lacked their terms. First-order gradients with create_graph=True
-    still work."""
+    silently lacked their terms. With a sum() loss the incoming gradient is a
+    constant and only the saved inputs require grad: that case was still
+    silent (torch's once_differentiable looks at the incoming gradient only).
+    First-order gradients with create_graph=True still work."""
     ours, ref, shapes = GRAD_CASES[name]
     torch.manual_seed(3)
     xs = [torch.randn(s).requires_grad_() for s in shapes]
-    grads = torch.autograd.grad(ours(*xs).pow(2).sum(), xs, create_graph=True)
+    y = ours(*xs)
+    grads = torch.autograd.grad(y.pow(2).sum() if loss == "pow2" else y.sum(), xs, create_graph=True)
     assert all(g is not None for g in grads)
-    with pytest.raises(RuntimeError, match="differentiate twice|does not require grad"):
+    with pytest.raises(RuntimeError, match="second derivative through this op's backward kernel"):
         sum(g.pow(2).sum() for g in grads).backward()
+
+
+@pytest.mark.parametrize("shape", [(2, 6, 9), (1, 4, 2)])
+def test_causal_log_softmax_masked_columns_get_no_gradient(shape, eager_path):
+    """A causal log_softmax's masked columns (and a row that sees none, when
+    rows > cols) do not reach the output, so their gradient is 0, as torch's
+    masked_fill(-inf) then log_softmax gives; the backward gave them dy."""
+    torch.manual_seed(5)
+    x = torch.randn(shape)
+    dy = torch.randn(shape)
+    a, b = x.clone().requires_grad_(), x.double().requires_grad_()
+    tt.log_softmax(a, -1, 1.0, True).backward(dy)
+    ref_softmax(b, -1, 1.0, True, log=True).backward(dy.double())
+    masked = ~causal_mask(*shape[-2:])
+    assert (a.grad[..., masked] == 0).all()
+    assert rel_err(a.grad, torch.nan_to_num(b.grad)) < 1e-5
 
 
 def test_torch_func_transforms_over_prepared_modules():

@@ -33,7 +33,7 @@ import types
 from typing import Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch._C import _functions as _autograd_functions
 
 import tensor_ops as _to
 from tensor_ops._arrays import note_torch
@@ -201,6 +201,43 @@ def _autograd_kernel(name, lowered, defaults):
     return kernel
 
 
+# Note [first-order gradients]: the backward kernels record no autograd of
+# their own, so a second derivative through them (create_graph=True:
+# gradient penalties, Hessian-vector products) would silently miss their
+# terms (torch's fallback for ops without autograd only warns). first_order
+# makes the gradients a backward returns under create_graph raise when they
+# are differentiated, as torch's once_differentiable does, but also when
+# only the saved inputs require grad: once_differentiable looks at the
+# incoming gradients alone, and a gradient penalty's incoming gradient is
+# the constant 1 of sum(), so a prepared Linear -> GELU's penalty gradient
+# came out 40.2 where torch's is 60.8, silently.
+_SECOND_ORDER = (b"tensor_ops: a second derivative through this op's backward kernel (create_graph=True) is not "
+                 b"computed; run this part of the model on torch's own op")
+
+
+def first_order(backward):
+    """backward run without recording autograd; under create_graph, its
+    gradients raise when differentiated if any incoming gradient or saved
+    input requires grad (Note [first-order gradients])."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        saved = getattr(ctx, "saved_tensors", ())
+        if not any(isinstance(t, Tensor) and t.requires_grad for t in (*grads, *saved)):
+            return outputs
+        single = not isinstance(outputs, tuple)
+        outputs = (outputs,) if single else outputs
+        err = _autograd_functions.DelayedError(_SECOND_ORDER, len(outputs))
+        marked = err(*[None if o is None else o.detach().requires_grad_() for o in outputs])
+        marked = marked if isinstance(marked, tuple) else (marked,)
+        return marked[0] if single else marked
+
+    return wrapper
+
+
 def _register(impl, fake, setup_context=None, backward=None):
     """torch.ops.tensor_ops.<impl name> with its fake kernel and, given a
     backward, its autograd and the matching autograd.Function."""
@@ -216,7 +253,7 @@ def _register(impl, fake, setup_context=None, backward=None):
     setattr(TRACED, name, op)
     setattr(DIRECT, name, impl)
     if backward is not None:
-        traced_backward = once_differentiable(functools.partial(backward, k=TRACED))  # Note [first-order gradients]
+        traced_backward = first_order(functools.partial(backward, k=TRACED))  # Note [first-order gradients]
         if lowered is None or _make_autograd_impl is None:
             torch.library.register_autograd(qualname, traced_backward, setup_context=setup_context, lib=_LIB)
         else:
@@ -228,13 +265,7 @@ def _register(impl, fake, setup_context=None, backward=None):
             setup_context(ctx, args, output)
             return output
 
-        # Note [first-order gradients]: the backward kernels record no
-        # autograd of their own, so a second derivative through them
-        # (create_graph=True: gradient penalties, Hessian-vector products)
-        # would silently miss their terms (torch's fallback for ops without
-        # autograd only warns); once_differentiable makes that an error
-        # instead, here and in the custom op's backward.
-        direct_backward = staticmethod(once_differentiable(functools.partial(backward, k=DIRECT)))
+        direct_backward = staticmethod(first_order(functools.partial(backward, k=DIRECT)))
         FUNCTIONS[name] = type(name, (torch.autograd.Function,), {
             "forward": staticmethod(forward), "backward": direct_backward})
         # The same Function with a separate setup_context, which torch.func's
@@ -433,6 +464,7 @@ def log_softmax(x: Tensor, dim: int = -1, scale: float = 1.0, causal: bool = Fal
 def _softmax_setup(ctx, inputs, output):
     ctx.save_for_backward(output)
     ctx.dim, ctx.scale = inputs[1], inputs[2]
+    ctx.causal = len(inputs) > 3 and inputs[3]
 
 
 def _softmax_bwd(ctx, dy, k):
@@ -440,7 +472,15 @@ def _softmax_bwd(ctx, dy, k):
 
 
 def _log_softmax_bwd(ctx, dy, k):
-    return k.log_softmax_backward(dy, ctx.saved_tensors[0], ctx.dim, ctx.scale), None, None, None
+    y = ctx.saved_tensors[0]
+    dx = k.log_softmax_backward(dy, y, ctx.dim, ctx.scale)
+    if ctx.causal:
+        # dy - e^y sum(dy) is dy where y is the mask's -inf: the masked columns get no gradient, as
+        # torch's masked_fill(-inf) then log_softmax (softmax's backward is 0 there by itself).
+        rows, cols = (y.shape[-2] if y.dim() > 1 else 1), y.shape[-1]
+        masked = torch.ones(rows, cols, dtype=torch.bool, device=y.device).triu(cols - rows + 1)
+        dx = torch.where(masked, torch.zeros((), dtype=dx.dtype, device=dx.device), dx)
+    return dx, None, None, None
 
 
 _register(softmax, lambda x, dim=-1, scale=1.0, causal=False: _softmax_like(x, dim), _softmax_setup, _softmax_bwd)
@@ -618,7 +658,7 @@ class _CrossEntropyFused(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable  # Note [first-order gradients]
+    @first_order  # Note [first-order gradients]
     def backward(ctx, dloss):
         dlogits, ctx.dlogits = ctx.dlogits, None
         again = dlogits is None

@@ -18,11 +18,11 @@ from typing import Tuple
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 import tensor_ops as _to
 
 from . import functional as ops
+from .custom_ops import first_order
 from .modules import _widened_gemm, half_mm, linear_max_rows, linear_rows, widens
 
 _log = logging.getLogger("tensor_ops")
@@ -59,7 +59,7 @@ class _LinearActivation(torch.autograd.Function):
         return ops.silu(h) if act == "silu" else ops.gelu(h, "tanh" if act == "gelu_tanh" else "none")
 
     @staticmethod
-    @once_differentiable  # Note [first-order gradients] (custom_ops.py): our activation backward
+    @first_order  # Note [first-order gradients] (custom_ops.py): our activation backward
     def backward(ctx, dy):
         x2, weight, h = ctx.saved_tensors
         dy = dy.contiguous()
