@@ -1075,3 +1075,17 @@ def test_fused_loss_tuple_keeps_the_logits_slot():
     assert len(got) == len(want) and got[1] is None
     assert [type(t) for t in got[2:]] == [type(t) for t in want[2:]]
     assert abs(got[0].item() - want[0].item()) <= 1e-5 * want[0].item()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma"])
+def test_model_cast_to_float64_after_prepare_runs(family):
+    """prepare_model, then .double(): the swapped modules run HF's / torch's
+    arithmetic and attention takes the model's eager path (llama recursed
+    forever, gpt2's and gemma's kernels raised DTypeError). HF's RMSNorm
+    computes in fp32 even for float64 input, ours in float64: 1e-6."""
+    ref = build(family)
+    model, _ = prepared(copy.deepcopy(ref))
+    ref.double(), model.double()
+    x = ids()
+    with torch.no_grad():
+        assert rel(model(x).logits, ref(x).logits) < 1e-6

@@ -891,3 +891,82 @@ def test_llama_o2_compiles_fullgraph_with_inductor():
     ref_grads = dict(model.named_parameters())
     for name, p in prepared.named_parameters():
         assert rel_err(p.grad, ref_grads[name].grad) < 1e-4, name
+
+
+# ---- what a PyTorch user does with a prepared model (each raised or differed before)
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_silu_inplace_module_writes_its_input(grad):
+    """nn.SiLU(inplace=True) prepared writes x and returns it, as torch's
+    (it returned a new tensor and left x alone: h = fc(x); act(h); h)."""
+    torch.manual_seed(0)
+    fc = nn.Linear(8, 8)
+    ref_act, act = nn.SiLU(inplace=True), copy.deepcopy(nn.SiLU(inplace=True))
+    act, _ = tt.prepare_model(act, "O1")
+    assert type(act) is tt.SiLU
+    x = torch.randn(4, 8)
+    with torch.set_grad_enabled(grad):
+        h_ref, h = fc(x), fc(x)
+        y_ref, y = ref_act(h_ref), act(h)
+    assert y is h and y_ref is h_ref
+    assert rel_err(h, h_ref) < 1e-6
+    if grad:
+        h.sum().backward()  # torch's in-place op recorded the gradient
+        assert fc.weight.grad is not None
+
+
+def test_prepared_model_cast_to_float64_runs():
+    """A model prepared, then cast to float64: the swapped gated MLP and
+    RMSNorm run torch's arithmetic (the MLP raised DTypeError, HF-style
+    RMSNorms recursed forever)."""
+    torch.manual_seed(0)
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    ref = nn.Sequential(nn.RMSNorm(16), MLP(), nn.LayerNorm(16), nn.GELU())
+    got, result = tt.prepare_model(copy.deepcopy(ref), "O1")
+    assert any("SwiGLU" in a for a in result.optimizations_applied), result.optimizations_applied
+    ref.double(), got.double()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        assert rel_err(got(x), ref(x)) < 1e-12
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_jit_trace_of_prepared_modules(grad):
+    """torch.jit.trace records dispatcher ops only: a prepared module traces
+    through the custom ops (the direct lane gave constants or no data
+    dependence)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.RMSNorm(16), nn.Linear(16, 4))
+    got, _ = tt.prepare_model(copy.deepcopy(ref), "O1")
+    x = torch.randn(2, 8)
+    with torch.set_grad_enabled(grad):
+        traced = torch.jit.trace(got, x)
+    with torch.no_grad():
+        assert rel_err(traced(x), ref(x)) < 1e-5
+        x2 = torch.randn(2, 8) + 1  # another input: the trace follows it (no constant baked in)
+        assert rel_err(traced(x2), ref(x2)) < 1e-5
+
+
+def test_meta_tensors_take_the_fake_kernels():
+    """Meta tensors (shape inference, init_empty_weights-style models): the
+    functional ops and prepared modules give meta outputs of torch's shapes,
+    and prepare_model leaves a meta model on meta, saying so."""
+    x = torch.randn(2, 8, device="meta")
+    w = torch.ones(8, device="meta")
+    assert tt.silu(x).shape == (2, 8) and tt.silu(x).is_meta
+    assert tt.layer_norm(x, w, w).shape == (2, 8)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU())
+    got, result = tt.prepare_model(model, "O1")
+    assert any("meta device" in w for w in result.warnings), result.warnings
+    y = got(x)
+    assert y.is_meta and y.shape == (2, 8)

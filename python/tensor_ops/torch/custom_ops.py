@@ -210,7 +210,10 @@ def _autograd_kernel(name, lowered, defaults):
 # only the saved inputs require grad: once_differentiable looks at the
 # incoming gradients alone, and a gradient penalty's incoming gradient is
 # the constant 1 of sum(), so a prepared Linear -> GELU's penalty gradient
-# came out 40.2 where torch's is 60.8, silently.
+# came out 40.2 where torch's is 60.8, silently. Not inside torch.func's
+# transforms: their grad always runs with create_graph and refuses the
+# marking, so a grad of grad (hessian) through our kernels goes unchecked there.
+_functorch_stack = torch._C._functorch.peek_interpreter_stack
 _SECOND_ORDER = (b"tensor_ops: a second derivative through this op's backward kernel (create_graph=True) is not "
                  b"computed; run this part of the model on torch's own op")
 
@@ -223,7 +226,9 @@ def first_order(backward):
     def wrapper(ctx, *grads):
         with torch.no_grad():
             outputs = backward(ctx, *grads)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or _functorch_stack() is not None:
+            # torch.func's grad always differentiates with create_graph; its tensors cannot be marked
+            # (requires_grad_ is refused inside a transform): a grad of grad there goes unchecked.
             return outputs
         saved = getattr(ctx, "saved_tensors", ())
         if not any(isinstance(t, Tensor) and t.requires_grad for t in (*grads, *saved)):

@@ -18,6 +18,7 @@ EAGER_FUNCTIONS = True
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
+_tracing_state = torch._C._get_tracing_state  # torch.jit.trace under way: not None
 
 
 # Note [torch.func]
@@ -34,8 +35,11 @@ _VMAP = torch._C._functorch.TransformType.Vmap
 
 def _run(name: str, *args):
     """The op `name` on args, every argument given (Functions take no defaults)."""
-    # Tracing and tensor subclasses (FakeTensor, DTensor...) take the custom op.
-    if EAGER_FUNCTIONS and type(args[0]) is _Tensor and not _is_compiling():
+    # Tracing (torch.compile, torch.jit.trace: the tracer records dispatcher
+    # ops only), tensor subclasses (FakeTensor, DTensor...) and meta tensors
+    # (shapes only: the fake kernel) take the custom op.
+    if (EAGER_FUNCTIONS and type(args[0]) is _Tensor and not _is_compiling() and not args[0].is_meta
+            and _tracing_state() is None):
         function = FUNCTIONS.get(name)
         # autograd.Function.apply costs ~10 us even when nothing needs a
         # gradient: only a call that records one takes it.

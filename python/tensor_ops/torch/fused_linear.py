@@ -17,13 +17,14 @@ import logging
 from typing import Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import tensor_ops as _to
 
 from . import functional as ops
 from .custom_ops import first_order
-from .modules import _widened_gemm, half_mm, linear_max_rows, linear_rows, widens
+from .modules import _KERNEL_DTYPES, _log_torch_dtype, _widened_gemm, half_mm, linear_max_rows, linear_rows, widens
 
 _log = logging.getLogger("tensor_ops")
 
@@ -92,6 +93,10 @@ def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias=None, activati
     "silu", on any leading dims of x."""
     if activation not in ("gelu", "gelu_tanh", "silu"):
         raise ValueError(f"activation must be 'gelu', 'gelu_tanh' or 'silu', got {activation!r}")
+    if x.dtype not in _KERNEL_DTYPES:  # a model cast to float64 after prepare_model: torch's arithmetic
+        _log_torch_dtype(FusedLinearGELU if activation != "silu" else FusedLinearSiLU, "F.linear + activation", x.dtype)
+        h = F.linear(x, weight, bias)
+        return F.silu(h) if activation == "silu" else F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
     x2 = x.reshape(-1, x.shape[-1])
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))

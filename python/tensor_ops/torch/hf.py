@@ -123,19 +123,23 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
 
 # ------------------------------------------------------- subclasses of HF's own
 
+@modules.torch_for_other_dtypes
 def _activation_forward(self, x):
     return _act(x, self._tensor_ops_act)
 
 
+@modules.torch_for_other_dtypes
 def _rms_norm_forward(self, x):
     return modules.hf_rms_norm(x, self.weight, self.variance_epsilon)
 
 
+@modules.torch_for_other_dtypes
 def _offset_rms_norm_forward(self, x):
     # Note [Gemma's offset]: the kernel forms 1 + weight in float32, as Gemma's own forward.
     return ops.rms_norm(x, self.weight.to(x.dtype), self.eps, 1.0)
 
 
+@modules.torch_for_other_dtypes
 def _eps_rms_norm_forward(self, x):
     # Gemma 3n / Gemma 4's RMSNorm: Gemma's eps attribute and fp32 arithmetic, weight without the offset.
     return ops.rms_norm(x, self.weight.to(x.dtype), self.eps)
@@ -145,6 +149,7 @@ def _gated_mlp(m, x, kind: str):
     return m.down_proj(_glu(m.gate_proj(x), m.up_proj(x), kind))
 
 
+@modules.torch_for_other_dtypes
 def _gated_mlp_forward(self, x):
     return _gated_mlp(self, x, self._tensor_ops_act)
 
@@ -154,6 +159,7 @@ def _gate_up_mlp(m, x, kind: str):
     return m.down_proj(_glu(gate, up, kind))
 
 
+@modules.torch_for_other_dtypes
 def _gate_up_mlp_forward(self, x):
     return _gate_up_mlp(self, x, self._tensor_ops_act)
 
@@ -163,7 +169,7 @@ _GATED_NAMES = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
 _GATE_UP_NAMES = frozenset({"gate_up_proj", "chunk", "activation_fn", "down_proj"})
 
 
-def _conv1d_activation_forward(self, x):
+def _conv1d_activation_forward(self, x):  # other dtypes: linear_activation runs torch's
     # Conv1D keeps weight [in, out]: x @ weight + bias, the same GEMM as Conv1D.forward's addmm.
     return linear_activation(x, self.weight.t(), self.bias, self._tensor_ops_act)
 
@@ -424,6 +430,8 @@ def _attentions_requested(kwargs) -> bool:
 
 
 def _unsupported(query, key, value, dropout, kwargs) -> Optional[str]:
+    if query.dtype not in modules._KERNEL_DTYPES:
+        return f"{str(query.dtype)[len('torch.'):]} attention (our kernels take float32, float16 and bfloat16)"
     if _attentions_requested(kwargs):
         return "output_attentions=True needs the attention probabilities"
     if kwargs.get("cache") is not None:
@@ -626,6 +634,7 @@ def _rope_function(original: Callable) -> Callable:
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
         ok = (len(args) <= 1 and set(kwargs) <= {"unsqueeze_dim"} and unsqueeze_dim == 1 and q.dim() == 4
+              and q.dtype in modules._KERNEL_DTYPES
               and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[-1] % 2 == 0
               and cos.shape[-1] <= min(q.shape[-1], k.shape[-1]) and cos.shape[1] == q.shape[2] == k.shape[2]
               and cos.shape[0] in (1, q.shape[0]) and q.shape[0] == k.shape[0])

@@ -4,6 +4,7 @@ same state_dict (the norms and activations subclass torch's own modules and
 override only forward)."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -42,14 +43,38 @@ _KERNEL_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 _torch_dtype_logged = set()
 
 
-def _torch_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    base = type(module).__mro__[1]  # the torch module ours subclasses
-    if (base, x.dtype) not in _torch_dtype_logged:
-        _torch_dtype_logged.add((base, x.dtype))
+def _log_torch_dtype(cls: type, what: str, dtype: torch.dtype) -> None:
+    if (cls, dtype) not in _torch_dtype_logged:
+        _torch_dtype_logged.add((cls, dtype))
         logging.getLogger("tensor_ops").warning(
             "tensor_ops.torch.%s: %s input runs torch's %s (our kernels take float32, float16 and bfloat16)",
-            type(module).__name__, str(x.dtype).replace("torch.", ""), base.__name__)
-    return base.forward(module, x)
+            cls.__name__, str(dtype).replace("torch.", ""), what)
+
+
+def _outside_base(cls: type) -> type:
+    """The first class in cls's MRO that is not ours: the torch (or
+    transformers) module ours subclasses (HFRMSNorm -> RMSNorm -> nn.RMSNorm:
+    nn.RMSNorm; the next class alone recursed through ours)."""
+    return next(c for c in cls.__mro__ if not c.__module__.startswith("tensor_ops."))
+
+
+def _torch_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    base = _outside_base(type(module))
+    _log_torch_dtype(type(module), base.__name__, x.dtype)
+    return base.forward(module, x, *args, **kwargs)
+
+
+def torch_for_other_dtypes(forward):
+    """A forward of a subclass of a torch / transformers module, for the
+    dtypes our kernels take; the class's own forward for others (a model cast
+    to float64 after prepare_model), logged once per class and dtype."""
+    @functools.wraps(forward)
+    def wrapped(self, x, *args, **kwargs):
+        if x.dtype in _KERNEL_DTYPES:
+            return forward(self, x, *args, **kwargs)
+        return _torch_forward(self, x, *args, **kwargs)
+
+    return wrapped
 
 
 class RMSNorm(nn.RMSNorm):
@@ -108,8 +133,19 @@ class LayerNorm(nn.LayerNorm):
 
 
 class SiLU(nn.SiLU):
+    """torch.nn.SiLU on our kernel. inplace=True writes x and returns it, as
+    torch's: through our kernel when there is nothing to differentiate,
+    torch's own in-place op when x records a gradient (our backward saves x,
+    which the write would overwrite)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu(x) if x.dtype in _KERNEL_DTYPES else _torch_forward(self, x)
+        if x.dtype not in _KERNEL_DTYPES:
+            return _torch_forward(self, x)
+        if not self.inplace:
+            return ops.silu(x)
+        if (torch.is_grad_enabled() and x.requires_grad) or not x.is_cpu or _is_compiling():
+            return F.silu(x, inplace=True)
+        return x.copy_(ops.silu(x))
 
 
 class GELU(nn.GELU):
@@ -129,6 +165,7 @@ LINEAR_MAX_ROWS = 16
 LINEAR_MAX_ROWS_NATIVE_HALF = 4
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state  # torch.jit.trace under way: not None
 _is_grad_enabled = torch.is_grad_enabled
 _is_autocast_enabled = torch.is_autocast_enabled
 _cpu_threads = _to._C.cpu_num_threads
@@ -159,8 +196,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     traced, a backend with the kernel; None otherwise (run torch's).
     torch's CPU F.linear reads a [N, K] weight for one row at a fraction of
     the bandwidth its GEMMs reach (~15 GB/s fp32, ~5-10 GB/s bf16 here)."""
-    if _is_compiling():
-        return None  # traced: torch's op, which the compiler knows
+    if _is_compiling() or _tracing_state():
+        return None  # traced (torch.compile, torch.jit.trace): torch's op, which the tracer knows
     k = weight.shape[0 if weight_layout == "kn" else -1]
     if (type(x) is not torch.Tensor or not x.is_cpu or x.dtype not in _LINEAR_DTYPES or weight.dtype != x.dtype
             or not weight.is_cpu or k == 0 or x.numel() > linear_max_rows(x.dtype) * k
@@ -426,6 +463,11 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.dtype not in _KERNEL_DTYPES:  # a model cast to float64 after prepare_model: torch's arithmetic
+            _log_torch_dtype(type(self), "F.silu / F.gelu", gate.dtype)
+            act = F.silu(gate) if self.activation == "silu" else F.gelu(
+                gate, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+            return self.down_proj(act * up)
         if self.activation == "silu":
             h = ops.swiglu(gate, up)
         else:

@@ -256,10 +256,17 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
     metrics: Dict[str, Any] = {"backend": backend.name, "device": str(backend.device)}
 
     tensors = _tensors(model)
-    moved = sum(t.device != backend.device for t in tensors)
-    backend.to_device(model)
-    applied.append(f"device placement: {backend.device} (backend {backend.name}), "
-                   f"moved {moved} of {len(tensors)} parameter/buffer tensors")
+    if any(t.is_meta for t in tensors):
+        # Built on the meta device (init_empty_weights-style): no data to move; the caller materialises it
+        # (to_empty, load_state_dict(assign=True)), the swaps below keep the same Parameters.
+        warnings.append(f"the model has tensors on the meta device (no data yet): left there, not moved to "
+                        f"{backend.device}; materialise it (model.to_empty(device=...), "
+                        f"load_state_dict(..., assign=True)) before running it")
+    else:
+        moved = sum(t.device != backend.device for t in tensors)
+        backend.to_device(model)
+        applied.append(f"device placement: {backend.device} (backend {backend.name}), "
+                       f"moved {moved} of {len(tensors)} parameter/buffer tensors")
     active = tensor_ops.get_backend()
     if backend.device.type == "cpu" and backend.name != active:
         warnings.append(f"{backend.name} takes host tensors, and host tensors run on the active backend ({active}): "
