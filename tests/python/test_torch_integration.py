@@ -970,3 +970,25 @@ def test_meta_tensors_take_the_fake_kernels():
     assert any("meta device" in w for w in result.warnings), result.warnings
     y = got(x)
     assert y.is_meta and y.shape == (2, 8)
+
+
+def test_output_layouts_are_torchs():
+    """Note [elementwise layouts], Note [softmax along an inner dim]: a dense
+    input in another dim order (channels_last, a transpose) keeps its layout
+    through the activations, as torch's; softmax along an inner dim is
+    row-major, so its .view() works. The fake kernels agree (opcheck)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    for ours, ref in ((tt.gelu, F.gelu), (tt.silu, F.silu)):
+        y = ours(x)
+        assert y.stride() == ref(x).stride() and rel_err(y, ref(x)) < 1e-6
+    xt = torch.randn(16, 4).t()
+    assert tt.silu(xt).stride() == F.silu(xt).stride()
+    x3 = torch.randn(2, 5, 4)
+    for ours, ref in ((tt.softmax, torch.softmax), (tt.log_softmax, torch.log_softmax)):
+        y = ours(x3, 1)
+        assert y.stride() == ref(x3, 1).stride()
+        assert rel_err(y.view(2, 20), ref(x3, 1).view(2, 20)) < 1e-6
+    for op, args in ((torch.ops.tensor_ops.silu.default, (x,)), (torch.ops.tensor_ops.gelu.default, (xt, "tanh")),
+                     (torch.ops.tensor_ops.softmax.default, (x3, 1, 1.0, False))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

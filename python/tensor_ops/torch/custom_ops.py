@@ -23,8 +23,9 @@ often strided (expanded by sum(), transposed by a matmul): backward ops do
 the same.
 
 Note [fake layouts]: each fake kernel returns what the real one returns,
-strides included: new_empty is row-major, as the op layer's outputs are;
-softmax along an inner dim returns the moved-back view the op layer returns.
+strides included: new_empty is row-major, as the op layer's outputs are
+(softmax along an inner dim too: Note [softmax along an inner dim]); the
+activations keep a dense input's layout (Note [elementwise layouts]).
 """
 import functools
 import inspect
@@ -296,9 +297,38 @@ def _like(x):
     return x.new_empty(x.shape)
 
 
+# Note [elementwise layouts]: torch's activations keep a dense input's
+# layout (channels_last conv activations, a transposed matrix); ours copied
+# such input to row-major and returned row-major, so a prepared conv net lost
+# channels_last after its first GELU. A dense input in another order of its
+# dims is now run as the contiguous permutation it is, and the output
+# permuted back: x's strides, no copy. The fake kernels give the same.
+def _dense_order(x):
+    """The order of x's dims, outermost first, that makes it contiguous, when x
+    is a dense layout other than row-major; None otherwise."""
+    if x.is_contiguous() or x.dim() < 2:
+        return None
+    order = sorted(range(x.dim()), key=lambda i: (-x.stride(i), -x.shape[i]))
+    return order if x.permute(order).is_contiguous() else None
+
+
+def _elementwise(fn, x, *args):
+    order = _dense_order(x)
+    if order is None:
+        return fn(_c(x), *args)
+    return fn(x.permute(order), *args).permute([order.index(i) for i in range(x.dim())])
+
+
+def _elementwise_like(x):
+    order = _dense_order(x)
+    if order is None:
+        return _like(x)
+    xp = x.permute(order)
+    return xp.new_empty(xp.shape).permute([order.index(i) for i in range(x.dim())])
+
+
 def _softmax_like(y, dim):
-    m = y.movedim(dim, -1)
-    return m.new_empty(m.shape).movedim(-1, dim)
+    return _like(y)  # row-major, as torch's softmax along any dim (Note [softmax along an inner dim])
 
 
 def _loss_like(logits, reduction):
@@ -335,11 +365,11 @@ def geglu_backward(dy: Tensor, gate: Tensor, up: Tensor, approximate: str = "non
 
 
 def softmax_backward(dy: Tensor, y: Tensor, dim: int = -1, scale: float = 1.0) -> Tensor:
-    return _to.softmax_backward(_c(dy), _c(y), dim, scale)
+    return _row_major(_to.softmax_backward(_c(dy), _c(y), dim, scale))
 
 
 def log_softmax_backward(dy: Tensor, y: Tensor, dim: int = -1, scale: float = 1.0) -> Tensor:
-    return _to.log_softmax_backward(_c(dy), _c(y), dim, scale)
+    return _row_major(_to.log_softmax_backward(_c(dy), _c(y), dim, scale))
 
 
 def rope_backward(dy: Tensor, cos: Tensor, sin: Tensor, positions: Optional[Tensor] = None,
@@ -433,11 +463,11 @@ _register(add_rms_norm, lambda x, residual, weight, eps=1e-6: (_like(x), _like(x
 
 
 def silu(x: Tensor) -> Tensor:
-    return _to.silu(_c(x))
+    return _elementwise(_to.silu, x)
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
-    return _to.gelu(_c(x), approximate)
+    return _elementwise(_to.gelu, x, approximate)
 
 
 def _activation_setup(ctx, inputs, output):
@@ -453,17 +483,26 @@ def _gelu_bwd(ctx, dy, k):
     return k.gelu_backward(dy, ctx.saved_tensors[0], ctx.approximate), None
 
 
-_register(silu, lambda x: _like(x), _activation_setup, _silu_bwd)
-_register(gelu, lambda x, approximate="none": _like(x), _activation_setup, _gelu_bwd)
+_register(silu, lambda x: _elementwise_like(x), _activation_setup, _silu_bwd)
+_register(gelu, lambda x, approximate="none": _elementwise_like(x), _activation_setup, _gelu_bwd)
+
+
+# Note [softmax along an inner dim]: the op layer moves dim last, runs the
+# kernel and moves it back: a view whose strides are not row-major, where
+# torch's softmax returns a row-major tensor, so code that views the result
+# (softmax(x, 1).view(...)) raised. The torch ops return it row-major (one
+# copy, for an inner dim only).
+def _row_major(y):
+    return y.contiguous()
 
 
 def softmax(x: Tensor, dim: int = -1, scale: float = 1.0, causal: bool = False) -> Tensor:
     """softmax(scale * x) along dim; causal masks [..., i, j] for j > i + cols - rows."""
-    return _to.softmax(_c(x), dim, scale, causal)
+    return _row_major(_to.softmax(_c(x), dim, scale, causal))
 
 
 def log_softmax(x: Tensor, dim: int = -1, scale: float = 1.0, causal: bool = False) -> Tensor:
-    return _to.log_softmax(_c(x), dim, scale, causal)
+    return _row_major(_to.log_softmax(_c(x), dim, scale, causal))
 
 
 def _softmax_setup(ctx, inputs, output):
