@@ -1089,3 +1089,19 @@ def test_model_cast_to_float64_after_prepare_runs(family):
     x = ids()
     with torch.no_grad():
         assert rel(model(x).logits, ref(x).logits) < 1e-6
+
+
+@pytest.mark.parametrize("path,cls,offset", [("gemma4", "Gemma4RMSNorm", False), ("gemma", "GemmaRMSNorm", True)])
+def test_checked_swaps_on_a_meta_model(path, cls, offset):
+    """A model built on the meta device has no data to run the check on: it
+    runs on a CPU twin with random parameters, so the form is still the one
+    the class computes (the check was skipped, and the first form taken)."""
+    import importlib
+
+    norm_cls = getattr(importlib.import_module(f"transformers.models.{path}.modeling_{path}"), cls)
+    with torch.device("meta"):
+        model = Holder(norm_cls(64, eps=1e-6))
+    got, result = tt.prepare_model(model, "O1", backend="cpu")
+    assert got.inner.weight.is_meta
+    assert any(("weight offset 1" in a) == offset and cls in a for a in result.optimizations_applied), \
+        result.optimizations_applied

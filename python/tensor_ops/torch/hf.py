@@ -246,7 +246,7 @@ def _swap_norm(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
         forms = ()
     why = "no float variance_epsilon or eps"
     for forward, what in forms:
-        why = swap_check.same_output(m, lambda x, f=forward: f(m, x), w.shape[0])
+        why = swap_check.same_output(m, forward, w.shape[0])
         if why is None:
             _swap_class(m, forward, what, counts)
             return True
@@ -273,7 +273,7 @@ def _swap_gated_mlp(m: nn.Module, path: str, warnings: List[str], counts) -> boo
             why = "not a transformers class (its forward is unknown)"
         else:  # Note [checked swaps]
             why = swap_check.names_mismatch(m, _GATE_UP_NAMES) or swap_check.same_output(
-                m, lambda x: _gate_up_mlp(m, x, kind), d.out_features)
+                m, lambda mod, x: _gate_up_mlp(mod, x, kind), d.out_features)
         if why:
             warnings.append(f"{path} ({name}) looks like a fused gate/up MLP but was left as is: {why}")
         else:
@@ -288,7 +288,7 @@ def _swap_gated_mlp(m: nn.Module, path: str, warnings: List[str], counts) -> boo
             why = f"children {sorted(children)}, act_fn {type(children.get('act_fn')).__name__} (kernel: {kind})"
         else:  # Note [checked swaps]
             why = swap_check.names_mismatch(m, _GATED_NAMES) or swap_check.same_output(
-                m, lambda x: _gated_mlp(m, x, kind), children["down_proj"].out_features)
+                m, lambda mod, x: _gated_mlp(mod, x, kind), children["down_proj"].out_features)
         if why:
             warnings.append(f"{path} ({name}) looks like a gated MLP but was left as is: {why}")
         else:

@@ -104,12 +104,12 @@ def _gated_mlp(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Modu
         why = f"act_fn {type(children['act_fn']).__name__} is not SiLU or GELU"
     else:  # Note [checked swaps] (swap_check.py)
         why = swap_check.names_mismatch(m, frozenset(_MLP_CHILDREN))
-    swiglu = None if why else modules.SwiGLU.from_linears(g, u, d, act)
-    why = why or swap_check.same_output(m, swiglu, g.in_features)
+    why = why or swap_check.same_output(
+        m, lambda mod, x: modules.SwiGLU.from_linears(mod.gate_proj, mod.up_proj, mod.down_proj, act)(x), g.in_features)
     if why:
         warnings.append(f"{path or 'the model'} ({type(m).__name__}) looks like a gated MLP but was left as is: {why}")
         return None
-    return swiglu
+    return modules.SwiGLU.from_linears(g, u, d, act)
 
 
 def _hf_rms_norm(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Module]:
@@ -123,7 +123,7 @@ def _hf_rms_norm(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Mo
         return None
     norm = modules.HFRMSNorm(w.shape[0], eps=eps, device="meta")
     norm.weight = w
-    why = swap_check.same_output(m, norm, w.shape[0])  # Note [checked swaps]
+    why = swap_check.same_output(m, lambda mod, x: modules.hf_rms_norm(x, mod.weight, eps), w.shape[0])  # Note [checked swaps]
     if why:
         warnings.append(f"{path or 'the model'} ({type(m).__name__}) was left as is: {why}")
         return None

@@ -18,6 +18,7 @@ logits (up to 4.3 relative). So a swap is made only when
 Otherwise the module stays as it is and result.warnings says why."""
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Callable, FrozenSet, Optional
 
@@ -57,29 +58,45 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 3e-2
 
 
-def same_output(m: nn.Module, ours: Callable[[torch.Tensor], torch.Tensor], width: int,
-                reference: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Optional[str]:
-    """None when ours(x) matches the module's own output (reference(x), by
-    default type(m).forward(m, x)) on a random x [2, 3, width] in the
-    dtype and on the device of m's first parameter, else why. Modules
-    without data (the meta device) are not run: None."""
-    p = next(m.parameters(), None)
-    if p is None or p.device.type == "meta" or not p.is_floating_point():
-        return None
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(2, 3, width, generator=g) * 2.0).to(device=p.device, dtype=p.dtype)
-    ref = reference or (lambda t: type(m).forward(m, t))
+def _data_twin(m: nn.Module) -> nn.Module:
+    """A CPU copy of a module built on the meta device (no data), its
+    parameters random (seeded) and its buffers zero: what the check runs
+    when m has nothing to run on."""
+    twin = copy.deepcopy(m).to_empty(device="cpu")
+    g = torch.Generator().manual_seed(1)
     with torch.no_grad():
+        for t in twin.parameters():
+            t.copy_(torch.randn(t.shape, generator=g) * 0.5 + (1.0 if t.dim() == 1 else 0.0))
+        for t in twin.buffers():
+            t.zero_()
+    return twin
+
+
+def same_output(m: nn.Module, ours: Callable[[nn.Module, torch.Tensor], torch.Tensor], width: int) -> Optional[str]:
+    """None when ours(m, x) matches the module's own type(m).forward(m, x)
+    on a random x [2, 3, width] in the dtype and on the device of m's first
+    parameter (float32 on the CPU without one), else why. A module on the
+    meta device is checked as a CPU twin with random parameters."""
+    # A device context (transformers' from_pretrained builds under torch.device("meta")) would put
+    # the check's own tensors there: the check makes them on the CPU.
+    with torch.device("cpu"), torch.no_grad():
+        p = next(m.parameters(), None)
+        if p is not None and p.is_meta:
+            m = _data_twin(m)
+            p = next(m.parameters())
+        dtype = p.dtype if p is not None and p.is_floating_point() else torch.float32
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(2, 3, width, generator=g) * 2.0).to(device=p.device if p is not None else "cpu", dtype=dtype)
         try:
-            want = ref(x)
+            want = type(m).forward(m, x)
         except Exception as e:  # noqa: BLE001 - a forward that cannot take a plain [.., width] input
             return f"its forward on a [2, 3, {width}] input raised {type(e).__name__}: {e}"
-        got = ours(x)
+        got = ours(m, x)
     if not torch.is_tensor(want) or want.shape != got.shape:
         return (f"its forward returns {type(want).__name__} {tuple(getattr(want, 'shape', ()))}, "
                 f"ours {tuple(got.shape)}")
     want, got = want.float(), got.float()
     err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-    if not err <= _tolerance(p.dtype):
+    if not err <= _tolerance(dtype):
         return f"its forward and ours differ by {err:.2g} relative on a random input"
     return None
