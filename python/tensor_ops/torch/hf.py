@@ -274,11 +274,11 @@ def _swap_gated_mlp(m: nn.Module, path: str, warnings: List[str], counts) -> boo
         else:  # Note [checked swaps]
             why = swap_check.names_mismatch(m, _GATE_UP_NAMES) or swap_check.same_output(
                 m, lambda mod, x: _gate_up_mlp(mod, x, kind), d.out_features)
-        if why:
+        if why:  # its children are still visited: its activation module, called by its own forward, is ours
             warnings.append(f"{path} ({name}) looks like a fused gate/up MLP but was left as is: {why}")
-        else:
-            _swap_class(m, _gate_up_mlp_forward, f"gate_up_proj + {kind} GLU kernel", counts, _tensor_ops_act=kind)
-            _swap_activation(children["activation_fn"], collections.Counter())  # unused by our forward: consistent
+            return False
+        _swap_class(m, _gate_up_mlp_forward, f"gate_up_proj + {kind} GLU kernel", counts, _tensor_ops_act=kind)
+        _swap_activation(children["activation_fn"], collections.Counter())  # unused by our forward: consistent
         return True
     if {"gate_proj", "up_proj", "down_proj"} <= set(children) and _hf_class(m):
         kind = activation_kind(children.get("act_fn"))
@@ -289,11 +289,11 @@ def _swap_gated_mlp(m: nn.Module, path: str, warnings: List[str], counts) -> boo
         else:  # Note [checked swaps]
             why = swap_check.names_mismatch(m, _GATED_NAMES) or swap_check.same_output(
                 m, lambda mod, x: _gated_mlp(mod, x, kind), children["down_proj"].out_features)
-        if why:
+        if why:  # its children are still visited: its act_fn, called by its own forward, is ours
             warnings.append(f"{path} ({name}) looks like a gated MLP but was left as is: {why}")
-        else:
-            _swap_class(m, _gated_mlp_forward, f"{kind} GLU kernel", counts, _tensor_ops_act=kind)
-            _swap_activation(children["act_fn"], collections.Counter())  # unused by our forward: consistent
+            return False
+        _swap_class(m, _gated_mlp_forward, f"{kind} GLU kernel", counts, _tensor_ops_act=kind)
+        _swap_activation(children["act_fn"], collections.Counter())  # unused by our forward: consistent
         return True
     return False
 

@@ -339,7 +339,8 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
         "replacements": dict(counts),
         "time_s": time.perf_counter() - start,
     })
-    return model, OptimizationResult(success, level, applied, warnings, metrics)
+    # The generic and the HF recognisers can both refuse one module with the same words: said once.
+    return model, OptimizationResult(success, level, applied, list(dict.fromkeys(warnings)), metrics)
 
 
 @dataclasses.dataclass
