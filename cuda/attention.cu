@@ -146,11 +146,11 @@ __global__ void __launch_bounds__(kAttnThreads)
       const int e = tid + t * nt;
       if (e < rows * D) {
         const float l = row_l[e / D];
-        out[qo + e] = from_f32<T>(l > 0.0f ? acc[t] / l : 0.0f);
+        out[qo + e] = from_f32<T>(l != 0.0f ? acc[t] / l : 0.0f);
       }
     }
     for (int r = tid; r < rows; r += nt)
-      lse[bh * a.Lq + i0 + r] = row_l[r] > 0.0f ? row_m[r] + logf(row_l[r]) : kNegInf;
+      lse[bh * a.Lq + i0 + r] = row_l[r] != 0.0f ? row_m[r] + logf(row_l[r]) : kNegInf;
     __syncthreads();
   }
 }
@@ -644,9 +644,9 @@ __global__ void __launch_bounds__(kMmaThreads)
     for (int r = 0; r < 2; ++r) {
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-      inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      inv[r] = l[r] != 0.0f ? 1.0f / l[r] : 0.0f;  // NaN (a NaN in q or k) stays NaN
       const int row = r0 + g + 8 * r;
-      if (t == 0 && row < rows) lse[bh * a.Lq + i0 + row] = l[r] > 0.0f ? m[r] + logf(l[r]) : kNegInf;
+      if (t == 0 && row < rows) lse[bh * a.Lq + i0 + row] = l[r] != 0.0f ? m[r] + logf(l[r]) : kNegInf;
     }
     store_rows<T, DP>(out + qo, o, r0, rows, D, inv);
   }

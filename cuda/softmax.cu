@@ -209,10 +209,11 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     const float row_max = group_max_sum(g, m, s, &sum);
     const float mean = o.eps != 0.0f ? group_sum(g, zs) / float(cols) : 0.0f;
     if (!run) continue;
-    const double lse = double(row_max) + ::log(double(sum));
+    // (max - z) + log(sum), not lse - z: past |max| ~1e15 max + log(sum) rounds log(sum) away even in double.
+    const double lsum = ::log(double(sum)), lse = double(row_max) + lsum;
     if (g.lane == 0)
-      loss[r] = float((1.0 - o.eps) * (lse - double(target_logit)) + o.eps * (lse - double(mean)) +
-                      o.zl * lse * lse);
+      loss[r] = float((1.0 - o.eps) * ((double(row_max) - double(target_logit)) + lsum) +
+                      o.eps * ((double(row_max) - double(mean)) + lsum) + o.zl * lse * lse);
     if (!dr) continue;
     const float p_scale = float((1.0 + 2.0 * o.zl * lse) / sum) * grad_scale;
     const float c0 = grad_scale * o.eps / float(cols), one = (1.0f - o.eps) * grad_scale;

@@ -304,11 +304,15 @@ inline void attn_store_rows(const AttnShape& s, const to_tensor& o, const to_ten
                             int64_t r0, int64_t nr, float* O, const float* m, const float* l) {
   for (int64_t r = 0; r < nr; ++r) {
     float* orow = O + r * s.Dp;
-    const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+    // l == 0: the row saw no key (0, lse -inf). A NaN score (a NaN in q or k)
+    // is kept by the probabilities' masks (!= -inf, not > -inf), so l is NaN
+    // and the row and its lse are NaN, as torch's SDPA (the row used to drop
+    // the NaN key, or come out 0 with lse -inf).
+    const float inv = l[r] != 0 ? 1.0f / l[r] : 0.0f;
     for (int64_t d = 0; d < s.Dm; ++d) orow[d] *= inv;
     st<D>(orow, o.data, s.row_offset(b, kvh, r0 + r), s.Dm);
     static_cast<float*>(lse.data)[s.lse_index(b, kvh, r0 + r)] =
-        l[r] > 0 ? m[r] + __builtin_logf(l[r]) : -__builtin_inff();
+        l[r] != 0 ? m[r] + __builtin_logf(l[r]) : -__builtin_inff();
   }
 }
 
@@ -340,7 +344,7 @@ inline void attn_online_row(float* srow, int64_t j0, int64_t nk, float limit, bo
   vf sum = {};
   for (int64_t j = 0; j < K; j += kVW) {
     const vf sv = vload(srow + j);
-    const vf p = from_bits(as_bits(exp_nonpos_t(sv - mnew)) & (vu)(sv > splat<vf>(ninf)));
+    const vf p = from_bits(as_bits(exp_nonpos_t(sv - mnew)) & (vu)(sv != splat<vf>(ninf)));
     vstore(srow + j, p);
     sum += p;
   }
@@ -613,7 +617,7 @@ void attention_tile_keys(const to_op_call& c, const AttnShape& s, int64_t b, int
       for (int64_t j = 0; j < nk; ++j) {
         float* sp = St + j * R + g;
         const vf sv = vload(sp);
-        const vf p = from_bits(as_bits(exp_nonpos_t(sv - mx)) & (vu)(sv > splat<vf>(ninf)));
+        const vf p = from_bits(as_bits(exp_nonpos_t(sv - mx)) & (vu)(sv != splat<vf>(ninf)));
         vstore(sp, p);
         sum += p;
       }
@@ -937,7 +941,7 @@ void attention_amx_rows(const to_op_call& c, const AttnShape& s, int64_t b, int6
       auto prob = [&](int64_t jj) -> vf {
         if (jj >= nk) return vf{};
         const vf sv = vload(St + jj * R + g);
-        return from_bits(as_bits(exp_nonpos_t(sv * esc + nmx)) & (vu)(sv > splat<vf>(ninf)));
+        return from_bits(as_bits(exp_nonpos_t(sv * esc + nmx)) & (vu)(sv != splat<vf>(ninf)));
       };
       // Note [AMX softmax without masks]: a tile with no causal edge and a
       // folded scale holds the products as computed, finite unless q or k

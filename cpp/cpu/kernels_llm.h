@@ -575,11 +575,14 @@ int cross_entropy_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
       a.st(v + i, e);
       return e;
     });
-    const double lse = double(m) + __builtin_log(sum);
-    double l = lse - double(zt);
+    // The loss as (m - zt) + log(sum), not (m + log(sum)) - zt: at |m| past
+    // ~1e15 the sum m + log(sum) rounds log(sum) away even in double (a row of
+    // four equal 1e19 logits lost log 4 = 1.386 entirely).
+    const double lsum = __builtin_log(sum), lse = double(m) + lsum;
+    double l = (double(m) - double(zt)) + lsum;
     if (eps != 0) {
       const double mean = vsum(C, [&](int64_t i, auto a) { return z(i, a); }) / double(C);
-      l = (1.0 - eps) * l + eps * (lse - mean);
+      l = (1.0 - eps) * l + eps * ((double(m) - mean) + lsum);
     }
     l += zl * lse * lse;
     *lrow = float(l);

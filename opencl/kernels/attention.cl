@@ -69,9 +69,9 @@ __kernel void attention_fwd(const __global T* q, ulong q_off, const __global T* 
     }
     m = mn;
   }
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  const float inv = l != 0.0f ? 1.0f / l : 0.0f;  // NaN (a NaN in q or k) stays NaN
   for (ulong d = lid; d < D; d += G) store_f32(o, o_off + row * D + d, acc[d] * inv);
-  if (lid == 0) lse[lse_off + row] = l > 0.0f ? m + log(l) : -INFINITY;
+  if (lid == 0) lse[lse_off + row] = l != 0.0f ? m + log(l) : -INFINITY;
 }
 
 // Backward. delta[row] = dot(dout_row, out_row) (one item per query row).

@@ -94,7 +94,7 @@ __kernel void cross_entropy(const __global T* lg, ulong lg_off, const __global i
   const float mean = eps != 0.0f ? group_sum(hsum8(zsum), red) / (float)C : 0.0f;
   const float lse = m + log(sum);
   if (get_local_id(0) == 0)
-    loss[loss_off + row] = (1.0f - eps) * (log(sum) + (m - zt)) + eps * (lse - mean) + zl * lse * lse;
+    loss[loss_off + row] = (1.0f - eps) * (log(sum) + (m - zt)) + eps * (log(sum) + (m - mean)) + zl * lse * lse;
   if (has_grad) {
     const float k1 = gscale * (1.0f + 2.0f * zl * lse) / sum, c0 = gscale * eps / (float)C;
     const float one = (1.0f - eps) * gscale;

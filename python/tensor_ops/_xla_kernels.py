@@ -127,19 +127,26 @@ def _causal_keep(rows: int, cols: int, mode: int = 1):
 
 def _masked_softmax(v, keep, log: bool):
     """softmax / log_softmax of v along the last dim; keep=None keeps all.
-    A row with nothing kept gives zeros (log: -inf), as the native kernels."""
+    A row with nothing kept gives zeros (log: -inf), as the native kernels;
+    a row that sees a NaN or +inf, or only -inf, is NaN, as the native
+    kernels and torch (x - max is NaN there): the shim gave 0, or kept the
+    NaN row's other values as they were in log_softmax."""
     jnp = _jax().numpy
     ninf = -jnp.inf
     if keep is not None:
         v = jnp.where(keep, v, ninf)
     m = jnp.max(v, axis=-1, keepdims=True, initial=ninf)
+    seen = jnp.ones(m.shape, bool) if keep is None else jnp.any(keep, axis=-1, keepdims=True)
+    bad = seen & ~jnp.isfinite(m)  # NaN (max propagates it), +inf, or every seen value -inf
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(v - m)
     s = jnp.sum(e, axis=-1, keepdims=True)
     if log:
         out = v - m - jnp.log(jnp.where(s > 0, s, 1.0))
-        return out if keep is None else jnp.where(keep, out, ninf)
-    return jnp.where(s > 0, e / jnp.where(s > 0, s, 1.0), 0.0)
+        out = out if keep is None else jnp.where(keep, out, ninf)
+    else:
+        out = jnp.where(s > 0, e / jnp.where(s > 0, s, 1.0), 0.0)
+    return jnp.where(bad, jnp.nan, out)
 
 
 @_jit("causal", "log")
@@ -192,18 +199,29 @@ def _attn(qf, kf, vf, scale, causal):
     # Full fp32 unless the user set jax_default_matmul_precision (tpu.precision
     # of a TensorOpsConfig); jit's cache key includes that setting.
     hi = lax.Precision.HIGHEST if jax.config.jax_default_matmul_precision is None else None
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, kf, precision=hi) * scale
+    r = jnp.einsum("bhgqd,bhkd->bhgqk", qg, kf, precision=hi)
     keep = _causal_keep(Lq, Lk, causal) if causal else None
+    # scale (r - r's extreme), as softmax (XLA fuses scale r - max(scale r) into an FMA, whose
+    # rounding left NaN or inf once |scale q k| was large: q, k ~1e5 gave NaN outputs).
+    hi_r = r if keep is None else jnp.where(keep, r, -jnp.inf)
+    lo_r = r if keep is None else jnp.where(keep, r, jnp.inf)
+    ext = jnp.where(scale >= 0, jnp.max(hi_r, axis=-1, keepdims=True, initial=-jnp.inf),
+                    jnp.min(lo_r, axis=-1, keepdims=True, initial=jnp.inf))
+    ext = jnp.where(jnp.isfinite(ext), ext, 0.0)
+    s = (r - ext) * scale
     if keep is not None:
         s = jnp.where(keep, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     lsum = jnp.sum(p, axis=-1, keepdims=True)
-    safe = jnp.where(lsum > 0, lsum, 1.0)
+    # A row that sees no key is 0 with lse -inf; a NaN score (a NaN in q or k) makes the row NaN,
+    # lse included, as torch's SDPA (it came out 0 / -inf, as if the row saw nothing).
+    empty = lsum == 0
+    safe = jnp.where(empty, 1.0, lsum)
     out = jnp.einsum("bhgqk,bhkd->bhgqd", p, vf, precision=hi) / safe
-    out = jnp.where(lsum > 0, out, 0.0)
-    lse = jnp.where(lsum[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), -jnp.inf)
+    out = jnp.where(empty, 0.0, out)
+    lse = jnp.where(empty[..., 0], -jnp.inf, (ext[..., 0] * scale + m[..., 0]) + jnp.log(safe[..., 0]))
     return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
 
 
@@ -231,11 +249,14 @@ def cross_entropy(logits, target, ignore_index, label_smoothing=0.0, z_loss=0.0,
     m = jnp.max(lg, axis=-1, keepdims=True)
     e = jnp.exp(lg - m)
     s = jnp.sum(e, axis=-1, keepdims=True)
-    lse = (m + jnp.log(s))[:, 0]
+    lsum = jnp.log(s)[:, 0]
+    lse = m[:, 0] + lsum
     picked = jnp.take_along_axis(lg, t[:, None], axis=1, mode="fill", fill_value=jnp.nan)[:, 0]
-    rows = (1 - label_smoothing) * (lse - picked) + z_loss * lse * lse
+    # (m - picked) + log(sum), not lse - picked: at |m| past ~1e4 fp32's m + log(sum) rounds log(sum)
+    # away (four equal logits of 1e8 gave 0 for log 4); the CPU kernel does the same in double.
+    rows = (1 - label_smoothing) * ((m[:, 0] - picked) + lsum) + z_loss * lse * lse
     if label_smoothing:
-        rows = rows + label_smoothing * (lse - jnp.mean(lg, axis=-1))
+        rows = rows + label_smoothing * ((m[:, 0] - jnp.mean(lg, axis=-1)) + lsum)
     loss = jnp.where(valid, rows, 0.0)
     grad = e / s * (1 + 2 * z_loss * lse)[:, None] - label_smoothing / C
     grad = (grad - (1 - label_smoothing) * jax.nn.one_hot(t, C, dtype=lg.dtype)) * dz

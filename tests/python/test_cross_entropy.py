@@ -215,3 +215,15 @@ def test_in_place_writes_are_seen_by_autograd():
     with pytest.raises(to.InvalidArgumentError, match=r"inplace=True.*\(3, 5\).*require grad"):
         to.cross_entropy_with_grad(leaf, torch.tensor([0, 1, 2]), inplace=True)
     assert torch.equal(leaf.detach(), before)
+
+
+def test_huge_logits_keep_log_sum(target):
+    """Four equal logits of 1e15 / 1e19 / 1e20: the loss is log 4, label
+    smoothing or not, as torch's fp32 gives; the CPU kernel's
+    (m + log(sum)) - z lost log(sum) to m's rounding even in double (0 at
+    1e19, 1.375 at 1e15), and label smoothing's term did the same."""
+    for big in (1e15, 1e19, 1e20):
+        logits = np.full((2, 4), big, np.float32)
+        for ls in (0.0, 0.1):
+            got = call(target, to.cross_entropy, logits, np.array([1, 3]), label_smoothing=ls, reduction="none")
+            np.testing.assert_allclose(np.asarray(got, np.float64), [np.log(4)] * 2, rtol=1e-6)

@@ -173,6 +173,41 @@ def test_rope_bad_position(target):
         to.rope(x, cos, sin, np.array([[0.0, 1.0]]))
 
 
+@pytest.mark.parametrize("where", ["k", "q"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 4, 2, 9, 11, 16), (1, 8, 2, 64, 300, 64), (1, 8, 2, 1, 300, 64)])
+def test_attention_nan_reaches_the_rows_that_see_it(shape, where, dtype, target, rng):
+    """A NaN in q or k makes every score of the rows that see it NaN, so
+    those rows (and their lse) are NaN, as torch's SDPA gives; the others are
+    as before. The CPU kernels dropped a NaN key (its probability masked to 0
+    by a score > -inf test) and gave a NaN query's row 0 with lse -inf; the
+    other backends' lse was -inf."""
+    target.require("attention")
+    B, Hq, Hkv, Lq, Lk, D = shape
+    q, k, v = make(rng, (B, Hq, Lq, D), dtype), make(rng, (B, Hkv, Lk, D), dtype), make(rng, (B, Hkv, Lk, D), dtype)
+    if where == "k":
+        k[0, 1, Lk // 2, 3] = np.nan  # kv head 1: q heads Hq // Hkv .. 2 Hq // Hkv - 1 see it
+        nan_heads = list(range(Hq // Hkv, 2 * Hq // Hkv))
+    else:
+        q[0, 2, Lq - 1, 0] = np.nan
+        nan_heads = [2]
+    for causal in (False, True):
+        out, lse = to.attention(q, k, v, causal=causal, return_lse=True)
+        out64 = to64(out)
+        for h in range(Hq):
+            rows = np.isnan(out64[0, h]).all(-1)
+            if h not in nan_heads:
+                assert not rows.any() and np.isfinite(lse[0, h]).all(), (causal, h)
+                continue
+            if where == "q":
+                want = np.arange(Lq) == Lq - 1
+            else:  # the rows whose causal window reaches key Lk // 2 (bottom-right)
+                want = np.ones(Lq, bool) if not causal else (np.arange(Lq) + Lk - Lq >= Lk // 2)
+            np.testing.assert_array_equal(rows, want, err_msg=f"causal {causal} head {h}")
+            np.testing.assert_array_equal(np.isnan(lse[0, h]), want)
+            assert np.isfinite(out64[0, h][~want]).all()
+
+
 ATTN_SHAPES = [  # B, Hq, Hkv, Lq, Lk, D
     (1, 1, 1, 1, 1, 1),
     (2, 4, 2, 7, 9, 16),

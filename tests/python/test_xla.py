@@ -537,3 +537,33 @@ def test_the_shim_checks_arguments_as_the_native_ops():
     t = np.array([0, 1], np.int32)
     want = tensor_ops.cross_entropy(np.asarray(x), t, ignore_index=2 ** 40)
     assert float(tensor_ops.cross_entropy(x, jnp.asarray(t), ignore_index=2 ** 40)) == pytest.approx(float(want))
+
+
+def test_nonfinite_rows_and_large_scores_as_the_native_kernels():
+    """The shim's softmax rows that see a NaN, +inf or only -inf are NaN, as
+    torch's and the CPU kernel's (they were 0, or log_softmax kept the NaN
+    row's other values); attention at |scale q k| ~ 1e10 is finite (the fused
+    product left NaN), and a NaN in k makes the rows that see it NaN, lse
+    included (they were 0 with lse -inf); cross-entropy keeps log(sum) at
+    logits of 1e8 (four equal logits gave 0 for log 4)."""
+    inf, nan = np.inf, np.nan
+    x = np.array([[nan, 1, 2, 3], [inf, 1, 2, 3], [-inf, -inf, -inf, -inf], [1, 2, 3, 4]], np.float32)
+    for op in (tensor_ops.softmax, tensor_ops.log_softmax):
+        native = op(x)
+        with tensor_ops.use("xla"):
+            shim = op(x)
+        np.testing.assert_array_equal(np.isnan(shim), np.isnan(native))
+        assert np.isnan(shim[:3]).all()
+        np.testing.assert_allclose(shim[3], native[3], rtol=1e-6)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 4, 8)).astype(np.float32) for _ in range(3))
+    with tensor_ops.use("xla"):
+        out, lse = tensor_ops.attention(q * 1e5, k * 1e5, v, return_lse=True)
+        assert np.isfinite(out).all() and np.isfinite(lse).all()
+        k[0, 1, 2, 3] = nan
+        out, lse = tensor_ops.attention(q, k, v, return_lse=True)
+    assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, 1]).all() and np.isfinite(out[0, 0]).all()
+    logits = np.full((1, 4), 1e8, np.float32)
+    with tensor_ops.use("xla"):
+        loss = tensor_ops.cross_entropy(logits, np.array([2]), reduction="none")
+    np.testing.assert_allclose(loss, [math.log(4)], rtol=1e-6)
