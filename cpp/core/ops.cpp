@@ -1,6 +1,7 @@
 // Argument checks for every op (once, here) and dispatch to a backend.
 #include "tensor_ops/ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -163,11 +164,38 @@ bool same_view(const Tensor& a, const Tensor& b) {
   return a.data() == b.data() && a.byte_offset() == b.byte_offset() && a.shape() == b.shape() && a.strides() == b.strides();
 }
 
+int64_t floor_div(int64_t x, int64_t y) { return x / y - ((x % y != 0) && ((x < 0) != (y < 0))); }
+
+// Note [row-strided overlap]: two views whose byte spans meet may still share
+// no element: the halves of a fused [N, 2I] gate / up projection (gate =
+// gu[:, :I], up = gu[:, I:], swiglu(gate, up, out=gate)) interleave row by
+// row, and were refused as overlapping. When both are rows of one byte stride
+// S (each row inside its stride: collapse), row i of a (at a0 + i S, wa
+// bytes) meets row j of b (at b0 + j S, wb bytes) only if d - wa < (i - j) S
+// < d + wb, d = b0 - a0: a question about k = i - j alone.
+bool disjoint_rows(const Tensor& a, const Tensor& b, uintptr_t a0, uintptr_t b0) {
+  Rows ra, rb;
+  try {
+    ra = collapse(a, "", "");
+    rb = collapse(b, "", "");
+  } catch (const LayoutError&) {
+    return false;  // not rows: the byte spans decide
+  }
+  const int64_t ia = int64_t(dtype_size(a.dtype())), ib = int64_t(dtype_size(b.dtype()));
+  const int64_t sa = ra.row_stride * ia, sb = rb.row_stride * ib;
+  if (ra.rows > 1 && rb.rows > 1 && sa != sb) return false;
+  const int64_t S = ra.rows > 1 ? sa : (rb.rows > 1 ? sb : 1), wa = ra.cols * ia, wb = rb.cols * ib;
+  const int64_t d = int64_t(b0 - a0);
+  const int64_t kmin = floor_div(d - wa, S) + 1, kmax = -floor_div(-(d + wb), S) - 1;  // d - wa < k S < d + wb
+  return std::max(kmin, 1 - rb.rows) > std::min(kmax, ra.rows - 1);
+}
+
 bool overlaps(const Tensor& a, const Tensor& b) {
   // Distinct handles (cl_mem) never alias; within one handle offsets compare.
   if (handle_memory(a) && a.data() != b.data()) return false;
   auto sa = a.byte_span(), sb = b.byte_span();
-  return sa.first < sb.second && sb.first < sa.second;
+  if (!(sa.first < sb.second && sb.first < sa.second)) return false;
+  return !disjoint_rows(a, b, sa.first, sb.first);
 }
 
 // out must match x in shape, dtype and device; it may be x itself (in place)
@@ -526,7 +554,8 @@ void activation_backward(const Tensor& dy, const Tensor& x, const Tensor& dx, Ac
   check_like(op, "dy", dy, x);
   check_like(op, "dx", dx, x);
   check_outputs(op, {&dx}, {&x});
-  if (!same_view(dx, dy) && overlaps(dx, dy)) throw InvalidArgument("activation_backward: dx partially overlaps dy");
+  if (!same_view(dx, dy) && overlaps(dx, dy))
+    throw InvalidArgument("activation_backward: dx " + dx.describe() + " partially overlaps dy " + dy.describe());
   if (x.numel() == 0) return;
   to_op_call call{};
   call.ints[0] = int64_t(act);
@@ -539,7 +568,8 @@ void glu(const Tensor& gate, const Tensor& up, const Tensor& out, Activation act
   check_activation(op, act);
   check_like(op, "up", up, gate);
   check_out(op, out, gate, {});
-  if (!same_view(out, up) && overlaps(out, up)) throw InvalidArgument("glu: out partially overlaps up");
+  if (!same_view(out, up) && overlaps(out, up))
+    throw InvalidArgument("glu: out " + out.describe() + " partially overlaps up " + up.describe());
   if (gate.numel() == 0) return;
   to_op_call call{};
   call.ints[0] = int64_t(act);

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import tensor_ops
-from conftest import DTYPES, assert_close, np_dtype, ref_gelu, ref_rms_norm, ref_silu, torch
+from conftest import DTYPES, assert_close, np_dtype, ref_gelu, ref_rms_norm, ref_silu, to64, torch
 
 HIDDEN = [1, 7, 64, 4095, 4096, 8193]
 BATCH = {1: (), 2: (3,), 3: (2, 3), 4: (2, 1, 3)}
@@ -127,3 +127,28 @@ def test_large_multithreaded_matches_rowwise(rng):
     np.testing.assert_array_equal(y[::37], rows)
     s = tensor_ops.silu(x)
     np.testing.assert_array_equal(s[5], tensor_ops.silu(x[5]))
+
+
+def test_out_in_the_other_columns_of_the_same_rows():
+    """Note [row-strided overlap]: out= in the other half of each row of the
+    buffer x lives in shares no element with x (the fused gate / up pattern,
+    swiglu(gate, up, out=gate)); it was refused as a partial overlap. A real
+    partial overlap is still refused, with both views described."""
+    rng = np.random.default_rng(0)
+    for mod in ("numpy", "torch"):
+        if mod == "torch" and torch is None:
+            continue
+        b = rng.standard_normal((4, 128)).astype(np.float32)
+        x_ref = b[:, :64].copy()
+        up_ref = b[:, 64:].copy()
+        if mod == "torch":
+            b = torch.from_numpy(b)
+        x, o = b[:, :64], b[:, 64:]
+        tensor_ops.silu(x, out=o)
+        np.testing.assert_allclose(np.asarray(o), ref_silu(to64(x_ref)), rtol=1e-6, atol=1e-7)
+        b[:, 64:] = torch.from_numpy(up_ref) if mod == "torch" else up_ref
+        tensor_ops.swiglu(x, o, out=x)  # gate = x, up = o: out into gate
+        np.testing.assert_allclose(np.asarray(x), ref_silu(to64(x_ref)) * up_ref, rtol=1e-5, atol=1e-6)
+        tensor_ops.rms_norm(b[1:, 64:], np.ones(64, np.float32) if mod == "numpy" else torch.ones(64), out=b[:-1, :64])
+        with pytest.raises(tensor_ops.InvalidArgumentError, match=r"overlaps.*\[4, 64\]"):
+            tensor_ops.silu(b[:, :64], out=b[:, 32:96])
