@@ -725,15 +725,6 @@ _ROPE_SCOPES: Dict[int, tuple] = {}  # id(modeling globals; alive in sys.modules
 _ROPE_CLASSES: Dict[type, Optional[type]] = {}  # class -> its subclass with RoPE scoped, None when it has no RoPE
 
 
-def _code_names(code: types.CodeType) -> set:
-    """The global / attribute names code and the functions nested in it read."""
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _code_names(c)
-    return names
-
-
 def _rebuilt(fn: types.FunctionType, scope: dict) -> types.FunctionType:
     """fn's code, defaults and closure on the globals scope (its name, module, qualname, doc and attributes kept)."""
     new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -762,7 +753,7 @@ def _rope_scope(module_globals: dict) -> tuple:
     while grew:  # helpers that call helpers that call apply_rotary_pos_emb
         grew = False
         for n, f in funcs.items():
-            if n not in names and _code_names(f.__code__) & names:
+            if n not in names and swap_check.code_names(f.__code__) & names:
                 names.add(n)
                 grew = True
     scope = {k: v for k, v in module_globals.items() if k != "__name__"}
@@ -796,7 +787,7 @@ def _rope_methods(cls: type) -> Dict[str, Any]:
             inner = inspect.unwrap(fn)
             if not isinstance(inner, types.FunctionType) or _ROPE not in inner.__globals__:
                 continue
-            if _rope_scope(inner.__globals__)[1] & _code_names(inner.__code__):
+            if _rope_scope(inner.__globals__)[1] & swap_check.code_names(inner.__code__):
                 original = inner.__globals__[_ROPE]
                 why = _rope_mismatch(getattr(original, "_tensor_ops_original", original))
                 if why is not None:

@@ -26,6 +26,15 @@ import torch
 from torch import nn
 
 
+def code_names(code) -> set:
+    """The global / attribute names code and the functions nested in it read."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if inspect.iscode(c):
+            names |= code_names(c)
+    return names
+
+
 def forward_names(cls: type) -> Optional[FrozenSet[str]]:
     """The global and attribute names cls's forward (its own code, through
     decorators) reads, with those of functions nested in it; None when the
@@ -33,14 +42,7 @@ def forward_names(cls: type) -> Optional[FrozenSet[str]]:
     fn = getattr(cls, "forward", None)
     fn = inspect.unwrap(fn) if fn is not None else None
     code = getattr(fn, "__code__", None)
-    if code is None:
-        return None
-    names, todo = set(), [code]
-    while todo:
-        c = todo.pop()
-        names.update(c.co_names)
-        todo.extend(k for k in c.co_consts if inspect.iscode(k))
-    return frozenset(names)
+    return None if code is None else frozenset(code_names(code))
 
 
 def names_mismatch(m: nn.Module, allowed: FrozenSet[str]) -> Optional[str]:
