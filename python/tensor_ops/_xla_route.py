@@ -88,6 +88,12 @@ def _call(shim, args, kwargs, host: bool):
             raise InvalidArgumentError("out= does not apply to XLA arrays (they are immutable): use the result")
         return shim(*args, **kwargs)
     like = next((a for a in args if not isinstance(a, (bool, int, float, str, np.generic)) and a is not None), None)
+    # inplace=True on a host buffer (numpy / CPU torch while the shim is
+    # selected): the shim's arrays are immutable, the caller's are not, so
+    # the gradient is computed out of place and written back into logits.
+    inplace = shim.__name__ == "cross_entropy_with_grad" and kwargs.get("inplace", False) is not False
+    if inplace:
+        kwargs = {**kwargs, "inplace": False}
     tables = _TABLES.get(shim.__name__, ())
     index = _INDEX.get(shim.__name__, ())
 
@@ -96,6 +102,16 @@ def _call(shim, args, kwargs, host: bool):
 
     result = _to_host(shim(*[conv(i, a) for i, a in enumerate(args)], **{k: conv(k, v) for k, v in kwargs.items()}),
                       like)
+    if inplace:
+        logits = args[0] if args else kwargs["logits"]
+        if isinstance(logits, np.ndarray):
+            if not logits.flags.writeable:
+                raise InvalidArgumentError("cross_entropy_with_grad: inplace=True needs writable logits (the numpy "
+                                           "array is read-only)")
+            np.copyto(logits, result[1])
+        else:
+            logits.copy_(result[1])
+        return result[0], logits
     if out is None:
         return result
     if isinstance(out, np.ndarray):
