@@ -919,6 +919,26 @@ def test_class_patch_rope_is_process_wide_until_revert(rope_calls):
     assert rope_calls["ours"] == 2 * layers  # the prepared model's only
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_loaded_model_switches_are_kept(family):
+    """apply_tensor_ops_kernel(..., model=m) swaps only what its switches
+    turn on: with rms_norm / swiglu / activations off, the model's RMSNorms,
+    gated MLPs and activations stay HF's (layer_norm=True swapped them all)."""
+    model = build(family)
+    ref = copy.deepcopy(model)
+    hf.apply_tensor_ops_kernel(family, model=model, rms_norm=False, swiglu=False, activations=False,
+                               fuse_linear=False, rope=False, attention=False)
+    kinds = {type(m).__name__: type(m).__module__ for m in model.modules()}
+    if family == "llama":
+        assert kinds["LlamaMLP"].startswith("transformers.") and kinds["LlamaRMSNorm"].startswith("transformers.")
+        assert not any(mod.startswith("tensor_ops.") for mod in kinds.values()), kinds
+    else:  # GPT-2: its LayerNorms are the only swap asked for
+        assert {n for n, mod in kinds.items() if mod.startswith("tensor_ops.")} == {"LayerNorm"}, kinds
+        assert kinds["NewGELUActivation"].startswith("transformers.")
+    with torch.no_grad():
+        assert rel(model(ids()).logits, ref(ids()).logits) < 1e-5
+
+
 # ---- Note [checked swaps] and Note [eager's empty rows]: modules that look like ours but compute
 # something else stay HF's (each was swapped, and wrong, before).
 

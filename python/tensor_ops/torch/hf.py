@@ -1074,9 +1074,11 @@ def apply_tensor_ops_kernel(model_type: str, *, rope: bool = True, rms_norm: boo
     warnings: List[str] = []
     counts: collections.Counter = collections.Counter()
     if model is not None:
-        if layer_norm:
-            from .prepare import _swap_modules  # nn.LayerNorm / nn.RMSNorm -> ours (class swap)
-            _swap_modules(model, "", warnings, counts)
+        from .prepare import _swap_modules  # torch's norms and activations -> ours, as the switches say
+        kinds = {k for k, on in (("layer_norm", layer_norm), ("rms_norm", rms_norm), ("swiglu", swiglu),
+                                 ("activations", activations)) if on}
+        if kinds:
+            _swap_modules(model, "", warnings, counts, frozenset(kinds))
         prepare_hf_model(model, warnings, counts, rope=rope, rms_norm=rms_norm, swiglu=swiglu,
                          activations=activations, fuse_linear=fuse_linear, attention=attention,
                          cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy)

@@ -151,24 +151,34 @@ def _carry_over(old: nn.Module, new: nn.Module) -> None:
         new._is_full_backward_hook = old._is_full_backward_hook
 
 
-def _swap_modules(m: nn.Module, path: str, warnings: List[str], counts: collections.Counter) -> nn.Module:
+# What _swap_modules may swap, by kind (the per-kernel switches of
+# hf.apply_tensor_ops_kernel): torch's classes by kind, and the kinds of the
+# recognisers that build new modules.
+_CLASS_KINDS = {nn.RMSNorm: "rms_norm", nn.LayerNorm: "layer_norm", nn.SiLU: "activations", nn.GELU: "activations"}
+SWAP_KINDS = frozenset({"rms_norm", "layer_norm", "activations", "swiglu"})
+
+
+def _swap_modules(m: nn.Module, path: str, warnings: List[str], counts: collections.Counter,
+                  kinds: frozenset = SWAP_KINDS) -> nn.Module:
     """m with, in place, torch's norms and activations swapped for ours (a
     class swap: same object, same Parameters) and gated MLPs / HF RMSNorms
     replaced by new modules holding the same Parameters, at any depth (m
-    itself included). Counts "Old -> tensor_ops.torch.New"."""
+    itself included); only the kinds in `kinds` (SWAP_KINDS). Counts
+    "Old -> tensor_ops.torch.New"."""
     old = type(m).__name__
     new = _CLASS_SWAPS.get(type(m))
-    if new is not None:
+    if new is not None and _CLASS_KINDS[type(m)] in kinds:
         m.__class__ = new
         counts[f"{old} -> tensor_ops.torch.{new.__name__}"] += 1
         return m
-    replacement = _gated_mlp(m, warnings, path) or _hf_rms_norm(m, warnings, path)
+    replacement = ("swiglu" in kinds and _gated_mlp(m, warnings, path)) or (
+        "rms_norm" in kinds and _hf_rms_norm(m, warnings, path)) or None
     if replacement is not None:
         _carry_over(m, replacement)
         counts[f"{old} -> tensor_ops.torch.{type(replacement).__name__}"] += 1
         return replacement
     for name, child in list(m.named_children()):
-        swapped = _swap_modules(child, f"{path}.{name}" if path else name, warnings, counts)
+        swapped = _swap_modules(child, f"{path}.{name}" if path else name, warnings, counts, kinds)
         if swapped is not child:
             setattr(m, name, swapped)
     return m
