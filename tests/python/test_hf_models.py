@@ -490,6 +490,65 @@ def test_fused_linear_cross_entropy_loss_without_logits():
     assert out.logits is not None and abs(out.loss.item() - ref_loss.item()) <= 1e-4 * ref_loss.item()
 
 
+def _small(model_type, **kw):
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    return transformers.AutoConfig.for_model(model_type, **{**base, **kw})
+
+
+def _loss_and_grads(model, x, labels, **kw):
+    out = model(input_ids=x, labels=labels, **kw)
+    loss = out.loss if isinstance(out, dict) or hasattr(out, "loss") else out[0]
+    loss.backward()
+    return out, loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["cross_entropy", "fused"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_loss_keeps_router_aux_loss(family, fused):
+    """Note [checked losses]: an MoE causal LM's loss adds
+    router_aux_loss_coef * aux_loss; ours keeps it (it was dropped: the
+    router's load-balancing gradient 107% off), with our cross-entropy and
+    with the fused linear cross-entropy, dict and tuple outputs alike."""
+    experts = dict(num_local_experts=4) if family == "mixtral" else dict(
+        num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_small(
+        family, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5, **experts)).train()
+    model = copy.deepcopy(ref)
+    warnings, counts = [], collections.Counter()
+    hf.prepare_hf_model(model, warnings, counts, fused_linear_cross_entropy=fused)
+    assert any(k.endswith("+ router aux loss") for k in counts), counts
+    x = ids(seed=3)
+    labels = x.clone()
+    labels[0, :3] = -100
+    out_ref, loss_ref, g_ref = _loss_and_grads(ref, x, labels)
+    out, loss, g = _loss_and_grads(model, x, labels)
+    assert out_ref.aux_loss.item() > 0.5 and abs(loss - loss_ref) <= 1e-5 * loss_ref
+    assert (out.logits is None) == fused
+    for n, grad in g_ref.items():
+        assert rel(g[n], grad) < 1e-4, n
+    tup = model(input_ids=x, labels=labels, return_dict=False)
+    want = ref(input_ids=x, labels=labels, return_dict=False)
+    assert len(tup) == len(want) and rel(tup[1], want[1]) < 1e-5  # aux_loss in HF's slot
+
+
+def test_unshifted_lm_losses_stay_hf():
+    """Note [checked losses]: BartForCausalLM computes its own unshifted loss;
+    ours (shifted) gave 4.55 for HF's 4.14. Its loss is left as HF's, said."""
+    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32)
+    torch.manual_seed(0)
+    ref = transformers.BartForCausalLM(cfg).eval()
+    model, result = prepared(copy.deepcopy(ref))
+    assert any("causal-LM loss left as HF's" in w and "ForCausalLMLoss" in w for w in result.warnings), \
+        result.warnings
+    x = ids(seed=4)
+    with torch.no_grad():
+        assert abs(model(input_ids=x, labels=x).loss.item() - ref(input_ids=x, labels=x).loss.item()) < 1e-5
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma", "phi3", "gpt2"])
 def test_class_patch_before_loading(family, tmp_path):
     """apply_tensor_ops_kernel_to_<family>() before building / loading, then

@@ -52,13 +52,14 @@ from __future__ import annotations
 
 import collections
 import copyreg
+import dataclasses
 import functools
 import importlib
 import inspect
 import logging
 import sys
 import types
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -890,6 +891,74 @@ def _reduce(loss_fn, num_items_in_batch):
     return loss_fn("sum") / n
 
 
+# Note [checked losses]
+# Our loss replaces what a *ForCausalLM forward computes from its labels, so
+# it may only stand in for the plain form: `loss = self.loss_function(logits,
+# labels, vocab_size, **kwargs)` with transformers' ForCausalLMLoss (shift by
+# one, cross-entropy, ignore_index, num_items_in_batch). Read from the
+# forward's names (as Note [checked swaps] does for modules):
+# - it must call self.loss_function, and that must be ForCausalLMLoss (Bart,
+#   XLNet and other LM heads compute an unshifted loss of their own: ours
+#   shifted it, 16x off in gradients);
+# - names that scale or cap the logits before the loss (softcapping,
+#   logits_scaling, logit_scale, ...) keep our loss on the returned logits
+#   but turn the fused linear cross-entropy off (it computes head(hidden));
+# - MoE classes that add `self.router_aux_loss_coef * aux_loss` get that term
+#   added to ours (it was dropped: load balancing silently off);
+# - any other name (z-loss, codebooks, another output) keeps HF's loss, said
+#   in the warnings.
+_LOSS_PLAIN = frozenset({
+    "CausalLMOutputWithPast", "CausalLMOutputWithCrossAttentions", "MoeCausalLMOutputWithPast", "attentions",
+    "config", "hidden_states", "last_hidden_state", "lm_head", "loss_function", "model", "past_key_values",
+    "slice_logits_to_keep", "vocab_size", "router_logits", "cross_attentions", "return_dict", "use_return_dict",
+    "logger", "warning", "warning_once", "device", "to"})
+_LOSS_LOGIT_TRANSFORMS = frozenset({"final_logit_softcapping", "tanh", "torch", "float", "dtype", "logits_scaling",
+                                    "logit_scale", "lm_head_multiplier", "logit_softcap", "output_logit_soft_cap",
+                                    "soft_cap"})
+_LOSS_MOE_AUX = frozenset({"load_balancing_loss_func", "num_experts", "num_experts_per_tok", "output_router_logits",
+                           "router_aux_loss_coef"})
+
+
+class _LossForm(NamedTuple):
+    why: Optional[str]  # None: our loss may stand in for the class's
+    fused: bool  # logits = head(hidden): the fused linear cross-entropy computes the same loss
+    aux: bool  # the loss adds self.router_aux_loss_coef * aux_loss
+
+
+_LOSS_FORMS: Dict[type, _LossForm] = {}
+
+
+def _loss_form(model: nn.Module) -> _LossForm:
+    """How type(model)'s forward computes its loss (Note [checked losses])."""
+    cls = type(model)
+    form = _LOSS_FORMS.get(cls)
+    if form is not None:
+        return form
+    names = swap_check.forward_names(cls)
+    base = {getattr(model, "base_model_prefix", "")}
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # pragma: no cover - a transformers without it
+        ForCausalLMLoss = None
+    if names is None:
+        form = _LossForm(f"{cls.__name__}.forward is not Python code we can read", False, False)
+    elif "loss_function" not in names or ForCausalLMLoss is None or getattr(
+            model, "loss_function", None) is not ForCausalLMLoss:
+        form = _LossForm(f"{cls.__name__} computes its loss itself, not with transformers' ForCausalLMLoss", False,
+                         False)
+    else:
+        extra = sorted(n for n in names - _LOSS_PLAIN - _LOSS_LOGIT_TRANSFORMS - _LOSS_MOE_AUX - base
+                       if not n.endswith(("Output", "OutputWithPast")))
+        aux = "router_aux_loss_coef" in names
+        if extra or (not aux and names & _LOSS_MOE_AUX):
+            form = _LossForm(f"{cls.__name__}.forward also uses {', '.join(extra or sorted(names & _LOSS_MOE_AUX))}"
+                             f" (not the plain causal-LM loss)", False, False)
+        else:
+            form = _LossForm(None, not names & _LOSS_LOGIT_TRANSFORMS, aux)
+    _LOSS_FORMS[cls] = form
+    return form
+
+
 def _causal_lm_forward(original: Callable) -> Callable:
     """original (a *ForCausalLM.forward) with the loss on our kernels, by
     self._tensor_ops_loss: "cross_entropy" (logits as before, our loss) or
@@ -905,7 +974,8 @@ def _causal_lm_forward(original: Callable) -> Callable:
             args = ()
             labels = kwargs.pop("labels", labels)
         shift_labels = kwargs.get("shift_labels")
-        if mode is None or labels is None:  # as HF: no labels, no loss (shift_labels alone included)
+        form = _loss_form(self)
+        if mode is None or labels is None or form.why:  # as HF: no labels, no loss; HF's own loss form
             return original(self, *args, labels=labels, **kwargs)
         # return_dict=False: HF's tuple, the loss first; the model's own output is asked
         # for as a ModelOutput so the loss can be set on it.
@@ -914,9 +984,9 @@ def _causal_lm_forward(original: Callable) -> Callable:
         num_items = kwargs.get("num_items_in_batch")
         targets = _shift(labels, shift_labels, ignore_index)
         head = self.get_output_embeddings()
-        fused = (mode == "fused_linear_cross_entropy" and self.training and not args
+        fused = (mode == "fused_linear_cross_entropy" and self.training and not args and form.fused
                  and getattr(self.config, "final_logit_softcapping", None) is None
-                 and isinstance(head, nn.Linear))
+                 and isinstance(head, nn.Linear) and not kwargs.get("logits_to_keep"))
         if not fused:
             out = original(self, *args, labels=None, return_dict=True,
                            **{k: v for k, v in kwargs.items() if k not in ("shift_labels",)})
@@ -927,25 +997,45 @@ def _causal_lm_forward(original: Callable) -> Callable:
                 return ops.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1).to(logits.device),
                                          ignore_index, reduction)
 
+            loss = _reduce(loss_fn, num_items)
+            if form.aux and getattr(out, "aux_loss", None) is not None:  # Note [checked losses]
+                loss = loss + self.router_aux_loss_coef * out.aux_loss.to(loss.device)
             # a new output rather than out.loss = ...: ModelOutput left "loss" (None) out of its keys
-            out = type(out)(**{**out, "loss": _reduce(loss_fn, num_items)})
+            out = type(out)(**{**out, "loss": loss})
             return out.to_tuple() if as_tuple else out
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
         base_kwargs = {k: v for k, v in kwargs.items() if k not in _LOSS_KWARGS + ("logits_to_keep",)}
+        router = False
+        if form.aux:  # the base model's router logits, for the aux loss (Note [checked losses])
+            router = kwargs.get("output_router_logits")
+            router = self.config.output_router_logits if router is None else router
+            base_kwargs["output_router_logits"] = router
         outputs = getattr(self, self.base_model_prefix)(return_dict=True, **base_kwargs)
         hidden = outputs[0]
 
         def loss_fn(reduction):
             return _flce(hidden, head.weight, targets.to(hidden.device), head.bias, ignore_index, reduction)
 
-        rest = CausalLMOutputWithPast(past_key_values=getattr(outputs, "past_key_values", None),
-                                      hidden_states=getattr(outputs, "hidden_states", None),
-                                      attentions=getattr(outputs, "attentions", None))
         loss = _reduce(loss_fn, num_items)
-        if as_tuple:  # HF's positions: the logits slot kept, None (as Liger's), so out[2] is still the cache
-            return (loss, None) + rest.to_tuple()
-        return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+        cache = dict(past_key_values=getattr(outputs, "past_key_values", None),
+                     hidden_states=getattr(outputs, "hidden_states", None),
+                     attentions=getattr(outputs, "attentions", None))
+        if form.aux:
+            aux_loss = None
+            if router:
+                balance = inspect.unwrap(original).__globals__["load_balancing_loss_func"]
+                aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+                                   kwargs.get("attention_mask"))
+                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+            out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=None, **cache,
+                                            router_logits=getattr(outputs, "router_logits", None))
+        else:
+            out = CausalLMOutputWithPast(loss=loss, logits=None, **cache)
+        if as_tuple:  # HF's positions: the logits slot kept, None (as Liger's), so the cache keeps its index
+            return tuple(getattr(out, f.name) for f in dataclasses.fields(out)
+                         if f.name == "logits" or getattr(out, f.name) is not None)
+        return out
 
     forward._tensor_ops_original = original
     return forward
@@ -964,10 +1054,17 @@ def _patch_loss(model: nn.Module, mode: Optional[str], warnings: List[str], coun
             getattr(model.forward, "__func__", None), "_tensor_ops_original"):
         model.forward = types.MethodType(_causal_lm_forward(type(model).forward), model)
     model._tensor_ops_loss = mode
-    counts[f"causal-LM loss -> {mode}"] += 1
+    form = _loss_form(model)  # Note [checked losses]
+    if form.why:
+        warnings.append(f"causal-LM loss left as HF's: {form.why}")
+        return
+    counts[f"causal-LM loss -> {mode}{' + router aux loss' if form.aux else ''}"] += 1
     if mode == "fused_linear_cross_entropy" and getattr(model.config, "final_logit_softcapping", None) is not None:
         warnings.append("fused linear cross-entropy off for this model: final_logit_softcapping is set; "
                         "the loss runs our cross_entropy on the (softcapped) logits")
+    elif mode == "fused_linear_cross_entropy" and not form.fused:
+        warnings.append(f"fused linear cross-entropy off for this model: {type(model).__name__}.forward scales or "
+                        f"caps the logits before its loss; the loss runs our cross_entropy on its logits")
 
 
 # ------------------------------------------------------------ what is left
