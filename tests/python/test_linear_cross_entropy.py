@@ -170,6 +170,19 @@ def test_all_targets_ignored(rng, reduction, expected):
     assert not gh.any() and not gw.any() and not gb.any()
 
 
+def test_all_targets_ignored_at_an_infinite_scale(rng):
+    """HF's sum / num_items_in_batch with num_items_in_batch 0: torch's
+    gradients stay 0, ours were NaN (Note [ignored rows at an infinite loss
+    scale], custom_ops.py)."""
+    hidden, weight, target, b = _data(rng, n=6)
+    target[:] = -100
+    h, w, bb = (torch.tensor(a, requires_grad=True) for a in (hidden, weight, b))
+    loss = tt.fused_linear_cross_entropy(h, w, torch.as_tensor(target), bb, reduction="sum", chunk_size=4)
+    (loss / torch.tensor(0.0)).backward()
+    for g in (h.grad, w.grad, bb.grad):
+        assert torch.count_nonzero(g) == 0
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_empty_batch(reduction):
     h = torch.zeros(0, 8, requires_grad=True)

@@ -393,6 +393,24 @@ def test_cross_entropy_value_and_gradient(reduction, eager_path):
     assert rel_err(c.grad, b.grad) < 1e-5
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_cross_entropy_ignored_rows_at_an_infinite_scale(reduction, eager_path):
+    """Note [ignored rows at an infinite loss scale]: HF's sum / num_items_in_batch
+    with every label ignored divides by 0; torch's gradients stay 0 (finite),
+    ours were 0 * inf = NaN on every ignored row."""
+    torch.manual_seed(2)
+    logits = torch.randn(6, 11)
+    for target in (torch.full((6,), -100), torch.tensor([1, -100, 2, -100, 3, 4])):
+        a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        scale = torch.tensor(0.0) if reduction != "none" else torch.tensor([0.0, 1, 0, 1, 0, 0])
+        (tt.cross_entropy(a, target, reduction=reduction) / scale).sum().backward()
+        (F.cross_entropy(b, target, reduction=reduction) / scale).sum().backward()
+        ignored = target == -100
+        assert torch.count_nonzero(a.grad[ignored]) == 0 and torch.count_nonzero(b.grad[ignored]) == 0
+        # the rows that count are infinite in both (torch has NaN at the target: -inf + inf)
+        assert torch.equal(a.grad.isfinite().all(1), b.grad.isfinite().all(1)), (a.grad, b.grad)
+
+
 def test_cross_entropy_backward_uses_the_forward_gradient(monkeypatch, eager_path):
     calls = []
     fused = tensor_ops.cross_entropy_with_grad

@@ -607,6 +607,30 @@ _register(attention,
           _attention_setup, _attention_bwd)
 
 
+# Note [ignored rows at an infinite loss scale]
+# torch's cross-entropy backward leaves an ignored row's gradient at exactly
+# 0 whatever the incoming gradient; ours scales the forward's gradient (0 on
+# those rows) by it, and 0 * inf is NaN. An infinite incoming gradient is
+# real: HF divides the summed loss by num_items_in_batch, 0 for a batch (or a
+# gradient-accumulation window) with every label ignored, where HF's loss is
+# NaN but its gradients are 0; ours were NaN, and one AdamW step wrote NaN
+# into every parameter. So where the scale is not finite, exact zeros stay 0
+# (a gradient entry is exactly 0 only on ignored rows, or where torch's is
+# NaN or 0 too); eager CPU checks the scale first (no extra pass when finite).
+def loss_scaled(grad, g, private: bool = False):
+    """grad * g (g a scalar or broadcastable tensor of grad's dtype), zeros
+    kept 0 where g is not finite (Note [ignored rows at an infinite loss
+    scale]); private: grad is this backward's own, scaled in place."""
+    if type(g) is float:
+        if math.isfinite(g):
+            return grad.mul_(g) if private else grad * g
+        return torch.where(grad != 0, grad * g, 0.0)
+    if (type(g) is torch.Tensor and g.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not _dispatch_modes() and bool(torch.isfinite(g).all())):  # eager (not traced): looked at
+        return grad.mul_(g) if private else grad * g
+    return torch.where(grad != 0, grad * g, 0.0)
+
+
 def _scaled(dlogits, dloss, reduction, private):
     """The forward's dlogits times the incoming gradient of the loss. Eager
     (a plain tensor, not traced) on the CPU, a reduced loss's gradient of exactly 1 (a
@@ -618,10 +642,9 @@ def _scaled(dlogits, dloss, reduction, private):
         g = float(dloss)
         if g == 1.0:
             return dlogits
-        if private:
-            return dlogits.mul_(g)
+        return loss_scaled(dlogits, g, private)
     g = dloss.to(dlogits.dtype)
-    return dlogits * (g[:, None] if reduction == "none" else g)
+    return loss_scaled(dlogits, g[:, None] if reduction == "none" else g)
 
 
 # Cross-entropy's options after (logits, target): ignore_index, reduction,

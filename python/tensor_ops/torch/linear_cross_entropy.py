@@ -27,6 +27,7 @@ from torch import nn
 
 from tensor_ops import linear_cross_entropy as _lce
 
+from .custom_ops import loss_scaled
 from .modules import _widened_gemm, half_mm, widens
 
 Tensor = torch.Tensor
@@ -157,8 +158,8 @@ def _backward(ctx, dloss, *_):
                                "(retain_graph=True) is not supported: the first scaled the saved gradients in place")
         ctx.scaled = True
         gh, gw, gb = ctx.saved_tensors
-        g = dloss.to(gh.dtype)
-        gh, gw, gb = gh.mul_(g), gw.mul_(g), gb.mul_(g)
+        g = dloss.to(gh.dtype)  # Note [ignored rows at an infinite loss scale] (custom_ops.py)
+        gh, gw, gb = (loss_scaled(t, g, private=True) for t in (gh, gw, gb))
     return gh, gw, None, (gb if ctx.has_bias else None), None, None, None, None, None, None, None
 
 
