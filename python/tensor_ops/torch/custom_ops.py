@@ -232,12 +232,18 @@ def first_order(backward):
             # (requires_grad_ is refused inside a transform): a grad of grad there goes unchecked.
             return outputs
         saved = getattr(ctx, "saved_tensors", ())
-        if not any(isinstance(t, Tensor) and t.requires_grad for t in (*grads, *saved)):
+        anchors = [t for t in (*grads, *saved) if isinstance(t, Tensor) and t.requires_grad]
+        if not anchors:
             return outputs
         single = not isinstance(outputs, tuple)
         outputs = (outputs,) if single else outputs
         err = _autograd_functions.DelayedError(_SECOND_ORDER, len(outputs))
-        marked = err(*[None if o is None else o.detach().requires_grad_() for o in outputs])
+        # The marked gradients hang off every anchor through an exact 0 (an
+        # empty slice's sum): autograd.grad(..., inputs=params) prunes what
+        # does not reach its inputs, so a mark on a fresh leaf never fired
+        # there and the second-order terms were silently left out.
+        link = sum(a.reshape(-1)[:0].sum() for a in anchors)
+        marked = err(*[None if o is None else o.detach() + link.to(o.dtype) for o in outputs])
         marked = marked if isinstance(marked, tuple) else (marked,)
         return marked[0] if single else marked
 
