@@ -1143,6 +1143,60 @@ def test_left_padded_batch_trains_like_eager(family):
         assert rel(got[n], ref[n]) < 1e-4, (n, rel(got[n], ref[n]))
 
 
+def _left_padded(seed=4):
+    x = ids(batch=2, seq=16, seed=seed)
+    mask = torch.ones_like(x)
+    mask[0, :5] = 0
+    return x, mask
+
+
+def test_empty_rows_kept_when_prepared_twice():
+    """Preparing an eager model twice kept eager's rows off: the second
+    prepare saw "tensor_ops" as the old implementation (pad logits 0.62 off)."""
+    x, mask = _left_padded()
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config("llama"), attn_implementation="eager").eval()
+    model = prepared(prepared(copy.deepcopy(ref))[0])[0]
+    with torch.no_grad():
+        assert rel(model(x, attention_mask=mask).logits, ref(x, attention_mask=mask).logits) < 1e-5
+
+
+def test_auto_class_keeps_the_default_attentions_empty_rows(tmp_path):
+    """AutoTensorOpsKernelForCausalLM on Gemma 2, whose default attention is
+    eager: pad rows are eager's (they were SDPA's zeros: loss 4.9010 for HF's 4.8929)."""
+    x, mask = _left_padded()
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config("gemma2")).eval()
+    assert ref.config._attn_implementation == "eager"
+    ref.save_pretrained(tmp_path)
+    try:
+        model = hf.AutoTensorOpsKernelForCausalLM.from_pretrained(tmp_path).eval()
+        assert model.config._attn_implementation == "tensor_ops"
+        with torch.no_grad():
+            assert rel(model(x, attention_mask=mask).logits, ref(x, attention_mask=mask).logits) < 1e-5
+    finally:
+        hf.revert_tensor_ops_kernel("gemma2")
+
+
+def test_fallback_of_an_sdpa_model_is_sdpa():
+    """A call our kernel does not take (v's head dim differs from q's:
+    DeepSeek-V3) on a model loaded with SDPA runs SDPA, not eager (eager's
+    pad rows are V's mean, SDPA's 0: 0.2 off)."""
+    x, mask = _left_padded()
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                        moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                                        num_experts_per_tok=2, first_k_dense_replace=1)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    model = prepared(copy.deepcopy(ref))[0]
+    before = hf.ATTENTION_FALLBACKS.total()
+    with torch.no_grad():
+        assert rel(model(x, attention_mask=mask).logits, ref(x, attention_mask=mask).logits) < 1e-5
+    assert hf.ATTENTION_FALLBACKS.total() > before
+
+
 def test_fused_loss_tuple_keeps_the_logits_slot():
     """return_dict=False with the fused loss: HF's tuple positions, None where
     the logits were (out[1] was the cache)."""

@@ -393,12 +393,19 @@ def _fallback(reason: str, module, query, key, value, attention_mask, is_causal:
     sdpa_attention_forward, which takes the mask as it is, for a model that
     has no eager function."""
     ATTENTION_FALLBACKS[reason] += 1
+    # A model that ran SDPA before ours falls back to SDPA where SDPA can take
+    # the call (not for probabilities, position bias, sinks or a paged cache):
+    # eager's answer differs on rows with no key to attend (Note [eager's
+    # empty rows]: V's mean where SDPA's is 0), and the model was SDPA's.
+    sdpa = getattr(module, _ORIGINAL_ATTENTION, None) == "sdpa" and not (
+        _attentions_requested(kwargs) or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
+        or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None)
     if reason not in _logged_reasons:
         _logged_reasons.add(reason)
-        _log.warning("tensor_ops attention: %s: this call (and any like it) runs %s's eager attention",
-                     reason, type(module).__name__)
+        _log.warning("tensor_ops attention: %s: this call (and any like it) runs %s's %s attention",
+                     reason, type(module).__name__, "SDPA" if sdpa else "eager")
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if eager is None:
+    if eager is None or sdpa:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, is_causal=is_causal, **kwargs)
@@ -559,6 +566,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 # runs the model's eager attention, since eager's gradient reaches q and k through those absorbed
 # scores (uniform softmax, nonzero Jacobian), which no kernel that skips them can give.
 _EAGER_ROWS = "_tensor_ops_eager_empty_rows"
+_ORIGINAL_ATTENTION = "_tensor_ops_original_attention"
 
 
 def _eager_empty_rows(out: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -579,6 +587,18 @@ def register_attention() -> str:
     return ATTENTION
 
 
+def _mark_empty_rows(model: nn.Module, old: str) -> List[nn.Module]:
+    """Note [eager's empty rows]: the model's attention modules keep eager's
+    rows when `old` (what the model ran before ours) is "eager"; a model
+    already on ours (prepared twice) keeps what it had. Returns the modules."""
+    attention_modules = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config")]
+    for m in attention_modules:
+        if old != ATTENTION or not hasattr(m, _EAGER_ROWS):
+            setattr(m, _EAGER_ROWS, old == "eager")
+            setattr(m, _ORIGINAL_ATTENTION, old)  # what _fallback runs where ours cannot
+    return attention_modules
+
+
 def _set_attention(model: nn.Module, warnings: List[str], counts) -> None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
@@ -595,9 +615,7 @@ def _set_attention(model: nn.Module, warnings: List[str], counts) -> None:
         warnings.append(f"attention left as {config._attn_implementation!r}: {type(model).__name__} does not "
                         f"dispatch through transformers' AttentionInterface")
         return
-    attention_modules = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config")]
-    for m in attention_modules:  # Note [eager's empty rows]
-        setattr(m, _EAGER_ROWS, old == "eager")
+    attention_modules = _mark_empty_rows(model, old)
     counts[f"attention {old} -> {ATTENTION} (AttentionInterface) in {len(attention_modules)} attention modules"] += 1
     natives = sorted({str(t.dtype)[len("torch."):] for t in model.parameters()
                       if t.is_cpu and native_half_attention(t.dtype)})
@@ -1264,27 +1282,44 @@ class AutoTensorOpsKernelForCausalLM:
                  "fuse_linear", "attention", "layer_norm")
 
     @classmethod
-    def _apply(cls, model_type: str, kwargs: dict) -> None:
+    def _apply(cls, model_type: str, kwargs: dict) -> bool:
+        """Patches the family; True when attention was set to ours by default
+        (the caller did not name an attn_implementation)."""
         switches = {k: kwargs.pop(k) for k in cls._SWITCHES if k in kwargs}
         if model_type in FAMILIES:
             apply_tensor_ops_kernel(model_type, **switches)
-            if switches.get("attention", True):
-                kwargs.setdefault("attn_implementation", ATTENTION)
+            if switches.get("attention", True) and kwargs.get("attn_implementation") is None:
+                kwargs["attn_implementation"] = ATTENTION
+                return True
         else:
             _log.warning("AutoTensorOpsKernelForCausalLM: model_type %r has no tensor_ops patch; loading it as is",
                          model_type)
+        return False
+
+    @staticmethod
+    def _loaded(model, ours_by_default: bool):
+        """Note [eager's empty rows]: ours in place of what HF would have
+        loaded: eager's rows where that is eager (Gemma 2's default)."""
+        if ours_by_default and getattr(model.config, "_attn_implementation", None) == ATTENTION:
+            try:
+                default = model.get_correct_attn_implementation(None, True)
+            except Exception:  # noqa: BLE001 - another transformers: SDPA's rows, as before
+                default = "sdpa"
+            _mark_empty_rows(model, default)
+        return model
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         config = transformers.AutoConfig.from_pretrained(pretrained_model_name_or_path,
                                                          trust_remote_code=kwargs.get("trust_remote_code", False))
-        cls._apply(config.model_type, kwargs)
-        return transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        ours = cls._apply(config.model_type, kwargs)
+        return cls._loaded(transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args,
+                                                                             **kwargs), ours)
 
     @classmethod
     def from_config(cls, config, **kwargs):
-        cls._apply(config.model_type, kwargs)
-        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        ours = cls._apply(config.model_type, kwargs)
+        return cls._loaded(transformers.AutoModelForCausalLM.from_config(config, **kwargs), ours)
 
 
 __all__ = [
