@@ -5,12 +5,45 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
 from typing import Any, List
 
 from .errors import BackendUnavailableError
 
 
+# A process forked after JAX started its runtime in the parent (a DataLoader
+# fork worker, multiprocessing's 'fork') cannot use it: JAX's threads do not
+# survive fork, and the child's first op hung forever. As the native plugins
+# whose runtime does not survive fork, the shim is then unusable, with why.
+_FORKED_REASON = ""
+
+
+def _jax_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+        return bool(getattr(xla_bridge, "_backends", None))
+    except Exception:  # noqa: BLE001 - another jax: imported counts as started
+        return True
+
+
+def _after_fork_in_child() -> None:
+    global _FORKED_REASON
+    if not _FORKED_REASON and _jax_started():
+        _FORKED_REASON = (f"xla backend: this process was forked (pid {os.getpid()}) after JAX started in its parent, "
+                          f"and JAX does not survive fork; use the 'spawn' or 'forkserver' start method for "
+                          f"workers that run XLA")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _jax():
+    if _FORKED_REASON:
+        raise BackendUnavailableError(_FORKED_REASON)
     try:
         import jax
     except ImportError as e:

@@ -571,8 +571,8 @@ def backend_status() -> Dict[str, Any]:
         jax = _jax()
         status["name"] = "tpu" if jax.default_backend() == "tpu" else "xla"
         n = len(jax.devices())
-    except BackendUnavailableError:
-        status["reason"] = "jax not installed"
+    except BackendUnavailableError as e:
+        status["reason"] = "jax not installed" if "not installed" in str(e) else str(e)
         return status
     except RuntimeError as e:
         status["reason"] = f"jax found no usable XLA platform: {e}"

@@ -140,3 +140,36 @@ def test_opencl_in_a_forked_child_is_a_clear_error_not_a_hang():
     assert rc == 0, err
     code_line = out.strip().splitlines()[-1]
     assert code_line in ("child 0", "child 2"), out + err
+
+
+def test_xla_in_a_forked_child_is_a_clear_error_not_a_hang():
+    """The XLA shim after JAX started in the parent: JAX does not survive
+    fork, and the child's first op hung forever; now backends() says why and
+    the op raises BackendUnavailableError."""
+    pytest.importorskip("jax")
+    code = """
+    import os
+    import numpy as np
+    import tensor_ops
+    x = np.linspace(-4, 4, 4096, dtype=np.float32)
+    with tensor_ops.use("xla"):
+        tensor_ops.silu(x)
+    pid = os.fork()
+    if pid == 0:
+        status = 3
+        try:
+            st = [b for b in tensor_ops.backends() if b.name == "xla"][0]
+            print(st.usable, st.reason, flush=True)
+            with tensor_ops.use("xla"):
+                tensor_ops.silu(x)
+        except tensor_ops.BackendUnavailableError as e:
+            status = 2 if ("forked" in str(e) and "'spawn'" in str(e) and not st.usable) else 4
+            print(e, flush=True)
+        finally:
+            os._exit(status)  # not sys.exit: JAX's own exit handlers crash in a forked child
+    _, status = os.waitpid(pid, 0)
+    print("child", os.waitstatus_to_exitcode(status))
+    """
+    rc, out, err = _run(code, TENSOR_OPS_BACKEND="cpu")
+    assert rc == 0, err
+    assert out.strip().splitlines()[-1] == "child 2", out + err
