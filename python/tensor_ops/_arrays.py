@@ -147,6 +147,11 @@ def check_torch(t, name: str):
     """t as the core may read it: lazy negation / conjugation resolved (Note
     [lazy torch state] in convert.cpp), layouts the core cannot read refused."""
     torch = _torch()
+    if t.is_meta or type(t).__name__ in ("FakeTensor", "FunctionalTensor"):
+        what = "on the meta device" if t.is_meta else f"a {type(t).__name__} (tracing)"
+        raise UnsupportedError(f"{name} is {what}: shape {tuple(t.shape)}, dtype {t.dtype}, no data to run on; "
+                               f"tensor_ops' array ops need real data (tensor_ops.torch's ops and modules have "
+                               f"meta / fake kernels for tracing and torch.compile)")
     if t.layout is not torch.strided:
         raise UnsupportedError(f"{name}: torch tensors with layout {t.layout} are not supported "
                                f"(shape {tuple(t.shape)}, dtype {t.dtype}); pass {name}.to_dense()")

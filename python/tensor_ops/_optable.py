@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _C
 from ._arrays import FAST_NP, POOL_OUTPUT_BYTES, TORCH_TYPES, Arg, call, empty_like, fast_out, run
-from .errors import LayoutError, TensorOpsError, UnsupportedError
+from .errors import DTypeError, LayoutError, TensorOpsError, UnsupportedError
 
 
 class OpEntry(NamedTuple):
@@ -119,8 +119,8 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
             return made
     except LayoutError:
         pass  # a lazy view, a large output, device data: outputs from Python below, or the general lane
-    except UnsupportedError:
-        return None  # the general lane words the refusal (shapes, dtypes)
+    except (UnsupportedError, DTypeError):
+        return None  # the general lane words the refusal (shapes, dtypes, meta / fake tensors)
     if LSE in like or e.shape is not None:
         return None  # the general lane makes it
     outs = tuple(fast_out(arrays[i]) for i in like)

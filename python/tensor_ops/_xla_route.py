@@ -14,7 +14,7 @@ import numpy as np
 from ._arrays import TORCH_TYPES, note_torch
 from ._xla_kernels import _jax
 from . import _C
-from .errors import DTypeError, ExternalBackendSelected, InvalidArgumentError
+from .errors import DTypeError, ExternalBackendSelected, InvalidArgumentError, UnsupportedError
 from .xla import NAMES, OPS, is_xla_array
 
 
@@ -143,10 +143,17 @@ def routed(name: str, native):
 
     def selected(args, kwargs):
         values = args + tuple(kwargs.values()) if kwargs else args
+        if any(isinstance(a, _C.Tensor) for a in values):
+            raise UnsupportedError(
+                f"{name}: the XLA shim is selected, and it takes numpy arrays, torch tensors and XLA arrays, not "
+                f"tensor_ops.Tensor ({', '.join(f'{a.dtype}{list(a.shape)} on {a.device}' for a in values if isinstance(a, _C.Tensor))}); "
+                f"pass t.numpy(), or run the op outside the XLA selection")
         if not all(_is_host(a) for a in values):
+            arrays = sorted({f"{type(a).__name__} on {getattr(a, 'device', 'host')}" for a in values
+                             if type(a) not in _PLAIN})
             raise InvalidArgumentError(
                 f"{name}: the XLA shim is selected for host arrays, but the arguments mix host arrays with "
-                f"device tensors ({', '.join(sorted({type(a).__name__ for a in values}))}); move them to one place")
+                f"device tensors ({', '.join(arrays)}); move them to one place")
         return _call(shim, args, kwargs, host=True)
 
     return _with_signature(native, general, selected)

@@ -316,3 +316,29 @@ def test_torch_layer_does_not_offer_the_xla_shim_without_torch_xla():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SiLU())
     v = tt.validate_model(model, torch.randn(2, 8))
     assert v.results and all(r["passed"] for r in v.results.values()), v.results
+
+
+def test_meta_and_fake_tensors_are_named():
+    """A meta tensor was "not an array tensor_ops can read" (a DTypeError) and
+    a FakeTensor "has a null data pointer": both now say what they are."""
+    if torch is None:
+        pytest.skip("torch not installed")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with pytest.raises(tensor_ops.UnsupportedError, match=r"meta device: shape \(8, 64\)"):
+        tensor_ops.silu(torch.empty(8, 64, device="meta"))
+    with FakeTensorMode():
+        x = torch.randn(8, 64)
+        with pytest.raises(tensor_ops.UnsupportedError, match="FakeTensor"):
+            tensor_ops.rms_norm(x, torch.ones(64))
+    tensor_ops.silu(torch.ones(2, 3))  # still fine
+
+
+def test_tensor_ops_tensor_under_the_xla_shim_is_named():
+    """A host tensor_ops.Tensor with the shim selected was refused as "mixing
+    host arrays with device tensors (NoneType, Tensor)"."""
+    if not any(b.name == "xla" and b.usable for b in tensor_ops.backends()):
+        pytest.skip("the XLA shim is not usable here")
+    t = tensor_ops.from_numpy(np.ones((4, 16), np.float32))
+    with tensor_ops.use("xla"), pytest.raises(tensor_ops.UnsupportedError, match=r"not tensor_ops.Tensor \(float32\[4, 16\]"):
+        tensor_ops.silu(t)
