@@ -474,10 +474,16 @@ std::string Registry::selected_name() const {
   return active().name();
 }
 
-void Registry::push_scope(const std::string& name) {
+void Registry::check_scope(const std::string& name) const {
   if (name != "auto" && !find_external(name.c_str())) require(name);
+}
+
+void Registry::push_scope(const std::string& name) {
+  check_scope(name);
   scope_stack.push_back(name);
 }
+
+void Registry::set_scopes(std::vector<std::string> names) { scope_stack = std::move(names); }
 
 void Registry::pop_scope() {
   if (!scope_stack.empty()) scope_stack.pop_back();

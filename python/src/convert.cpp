@@ -396,6 +396,7 @@ Tensor output(nb::handle out, nb::handle like, const Tensor& tlike, std::vector<
 }
 
 Tensor to_tensor(nb::handle h, const char* arg, bool as_bfloat16) {
+  sync_scope();  // every op reads its arrays here first, with the GIL (Note [use() per context])
   if (nb::isinstance<Tensor>(h)) return nb::cast<const Tensor&>(h);
   Tensor t;
   if (numpy_array(h, t, as_bfloat16)) return t;

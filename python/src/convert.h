@@ -34,5 +34,8 @@ nanobind::object dlpack_capsule(const Tensor& t);
 
 // _C._exchange_stream, _current_stream, _has_streams, _stream_wait.
 void init_streams(nanobind::module_& m);
+// Mirrors tensor_ops.use()'s context variable into the core's per-thread
+// scope stack (Note [use() per context], registry.cpp); with the GIL.
+void sync_scope();
 
 }  // namespace tensor_ops::python

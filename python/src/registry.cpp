@@ -1,15 +1,60 @@
 // Backends, devices and selection.
+#include <atomic>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "../../cpp/core/env.h"
 #include "../../cpp/cpu/cpu_backend.h"
+#include "convert.h"
 #include "tensor_ops/registry.h"
 
 namespace nb = nanobind;
 
 namespace tensor_ops::python {
+
+// Note [use() per context]
+// tensor_ops.use(name) is a context variable (contextvars), not a per-thread
+// stack: asyncio tasks interleaving their `with use(...)` blocks on one thread
+// each get the backend their own block named (with a per-thread stack, a task
+// inside use("cpu") ran on another task's "xla", and the first exit popped the
+// other's scope), and a block that ends on another thread (a generator resumed
+// by a thread pool) no longer pops that thread's own scope. The core keeps its
+// per-thread stack (C embedders, the kernels' selection without the GIL); the
+// binding mirrors the variable's value there, with the GIL, before an op reads
+// its arguments and before a selection query: one PyContextVar_Get and a
+// pointer compare per call, the stack rebuilt only when the value changed.
+// A block that ended in another context (the generator case) cannot reset
+// the variable where it was set; its entry is marked inactive instead and the
+// generation bumped, so every thread rebuilds its mirror without it (the
+// thread that entered the block stayed on that backend for good).
+namespace {
+PyObject* scope_var = nullptr;  // the ContextVar: tuple of entries (.name, .active), innermost last
+std::atomic<uint64_t> scope_generation{0};
+thread_local PyObject* scope_applied = nullptr;  // the tuple last mirrored on this thread (owned)
+thread_local uint64_t scope_applied_generation = 0;
+}  // namespace
+
+void sync_scope() {
+  if (!scope_var) return;
+  PyObject* v = nullptr;
+  if (PyContextVar_Get(scope_var, nullptr, &v) < 0) throw nb::python_error();
+  const uint64_t gen = scope_generation.load(std::memory_order_acquire);
+  if (!v || (v == scope_applied && gen == scope_applied_generation)) {
+    Py_XDECREF(v);
+    return;
+  }
+  nb::object value = nb::steal(v);
+  std::vector<std::string> names;
+  if (PyTuple_Check(v)) {
+    for (nb::handle entry : nb::borrow<nb::tuple>(value))
+      if (nb::cast<bool>(entry.attr("active"))) names.push_back(nb::cast<std::string>(entry.attr("name")));
+  }
+  Registry::instance().set_scopes(std::move(names));
+  Py_XSETREF(scope_applied, value.release().ptr());
+  scope_applied_generation = gen;
+}
 
 void init_registry(nb::module_& m) {
   m.def("backends", [] {
@@ -45,9 +90,24 @@ void init_registry(nb::module_& m) {
     }
     return out;
   });
-  m.def("active_backend", [] { return Registry::instance().active().name(); });
-  m.def("selected_backend", [] { return Registry::instance().selected_name(); });
-  m.def("external_selected", [] { return Registry::instance().external_choice() != nullptr; });
+  m.def("active_backend", [] {
+    sync_scope();
+    return Registry::instance().active().name();
+  });
+  m.def("selected_backend", [] {
+    sync_scope();
+    return Registry::instance().selected_name();
+  });
+  m.def("external_selected", [] {
+    sync_scope();
+    return Registry::instance().external_choice() != nullptr;
+  });
+  m.def("check_scope", [](const std::string& name) { Registry::instance().check_scope(name); });
+  m.def("scopes_changed", [] { scope_generation.fetch_add(1, std::memory_order_acq_rel); });
+  m.def("set_scope_var", [](nb::handle var) {
+    if (!PyContextVar_CheckExact(var.ptr())) throw nb::type_error("set_scope_var takes a contextvars.ContextVar");
+    Py_XSETREF(scope_var, nb::borrow(var).release().ptr());
+  });
   m.def("set_backend", [](const std::string& name) { Registry::instance().set_backend(name); });
   m.def("set_external_backends",
         [](const std::vector<std::string>& names) { Registry::instance().set_external_backends(names); });

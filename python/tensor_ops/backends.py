@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -165,18 +166,41 @@ def _backend_name(name) -> str:
     return name
 
 
+# Note [use() per context] (python/src/registry.cpp): the use() scopes of
+# the current context (thread, asyncio task), innermost last; the binding
+# mirrors them into the core before each op.
+class _Scope:
+    """One use() block: its backend, and whether it has not ended yet."""
+
+    __slots__ = ("name", "active")
+
+    def __init__(self, name: str):
+        self.name, self.active = name, True
+
+
+_SCOPES: contextvars.ContextVar[Tuple[_Scope, ...]] = contextvars.ContextVar("tensor_ops_use", default=())
+_C.set_scope_var(_SCOPES)
+
+
 @contextlib.contextmanager
 def use(name: str) -> Iterator[str]:
-    """`with tensor_ops.use("cpu"):` runs host arrays on that backend in this
-    thread for the block ("xla" / "tpu": on the XLA shim)."""
+    """`with tensor_ops.use("cpu"):` runs host arrays on that backend for the
+    block ("xla" / "tpu": on the XLA shim), in this thread or asyncio task
+    (a context variable: other tasks and threads keep their own selection)."""
     name = _backend_name(name)
     if _route.is_name(name):
         _require_shim(name)
-    _C.push_scope(name)
+    _C.check_scope(name)
+    entry = _Scope(name)
+    token = _SCOPES.set(_SCOPES.get() + (entry,))
     try:
         yield name
     finally:
-        _C.pop_scope()
+        entry.active = False
+        try:
+            _SCOPES.reset(token)
+        except ValueError:  # ended in another context (a generator resumed on another thread)
+            _C.scopes_changed()  # the context that entered it drops it at its next op
 
 
 def get_backend_info() -> Dict[str, Any]:

@@ -233,6 +233,25 @@ TEST_F(RegistryTest, ScopesNestOutrankTheEnvironmentAndAreThreadLocal) {
   EXPECT_NO_THROW(reg_.pop_scope());  // popping an empty stack does nothing
 }
 
+TEST_F(RegistryTest, SetScopesReplacesThisThreadsStackAndCheckScopeValidates) {
+  // What the Python binding mirrors from use()'s context variable.
+  EXPECT_THROW(reg_.check_scope("nonexistent"), InvalidArgument);
+  EXPECT_NO_THROW(reg_.check_scope("cpu"));
+  EXPECT_NO_THROW(reg_.check_scope("auto"));
+  reg_.set_scopes({"auto", "cpu"});
+  EXPECT_EQ(reg_.active().name(), "cpu");
+  std::string other_thread;
+  std::thread([&] {
+    reg_.set_scopes({"cpu"});  // another thread's stack, its own
+    other_thread = reg_.active().name();
+    reg_.set_scopes({});
+  }).join();
+  EXPECT_EQ(other_thread, "cpu");
+  EXPECT_EQ(reg_.active().name(), "cpu");  // this thread's still there
+  reg_.set_scopes({});
+  EXPECT_NO_THROW(reg_.pop_scope());  // empty
+}
+
 TEST_F(RegistryTest, PushScopeRejectsBadNamesAndPushesNothing) {
   ScopedEnv env("TENSOR_OPS_BACKEND", "bogus");
   EXPECT_THROW(reg_.push_scope("nonexistent"), InvalidArgument);

@@ -105,3 +105,71 @@ def test_cpu_and_opencl_at_once():
                 np.testing.assert_allclose(tensor_ops.silu(x), want_silu, rtol=1e-5, atol=1e-6)
 
     run_on_threads(body)
+
+
+def _second_backend():
+    """A usable backend other than cpu (the selection must visibly change), or skip."""
+    for b in tensor_ops.backends():
+        if b.usable and b.name != "cpu":
+            return b.name
+    pytest.skip("only the cpu backend is usable here")
+
+
+def test_use_is_per_asyncio_task():
+    """Note [use() per context]: two asyncio tasks interleaving their use()
+    blocks on one thread each see their own backend (a task inside
+    use("cpu") saw the other's backend, and exits popped each other's scope)."""
+    import asyncio
+
+    other = _second_backend()
+    seen = {}
+
+    async def task(name, first):
+        with tensor_ops.use(name):
+            if first:
+                await asyncio.sleep(0.02)  # the other task enters its block meanwhile
+            seen[name, 1] = tensor_ops.get_backend()
+            await asyncio.sleep(0.02 if not first else 0.04)
+            seen[name, 2] = tensor_ops.get_backend()
+        seen[name, 3] = tensor_ops.get_backend()
+
+    async def main():
+        await asyncio.gather(task("cpu", True), task(other, False))
+
+    before = tensor_ops.get_backend()
+    asyncio.run(main())
+    assert seen["cpu", 1] == seen["cpu", 2] == "cpu", seen
+    assert seen[other, 1] == seen[other, 2] == other, seen
+    assert seen["cpu", 3] == seen[other, 3] == before
+    assert tensor_ops.get_backend() == before
+
+
+def test_use_block_ended_on_another_thread():
+    """A generator's use() block resumed and ended on another thread (a thread
+    pool serving a streaming response): the thread that entered it returns to
+    its selection, and the other thread's own scope is untouched (it stayed on
+    the block's backend for good, and the exit popped the other's scope)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    other = _second_backend()
+    before = tensor_ops.get_backend()
+
+    def stream():
+        with tensor_ops.use(other):
+            yield tensor_ops.get_backend()
+            yield tensor_ops.get_backend()
+
+    gen = stream()
+    assert next(gen) == other
+
+    def finish():
+        with tensor_ops.use("cpu"):
+            for _ in gen:
+                pass
+            return tensor_ops.get_backend()
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(finish).result() == "cpu"
+    assert tensor_ops.get_backend() == before
+    x = np.linspace(-3, 3, 64, dtype=np.float32)
+    np.testing.assert_allclose(tensor_ops.silu(x), ref_silu(x), rtol=1e-5, atol=1e-6)

@@ -78,6 +78,12 @@ class Registry {
   // Thread-local scope used by the Python `use(...)` context.
   void push_scope(const std::string& name);
   void pop_scope();
+  // Throws as push_scope would for `name` (unknown, or not usable), pushing nothing.
+  void check_scope(const std::string& name) const;
+  // Replaces this thread's scope stack (innermost last), names as check_scope
+  // accepted them: the Python binding mirrors its context variable here
+  // (Note [use() per context] in python/src/scope.cpp).
+  void set_scopes(std::vector<std::string> names);
 
   // Names accepted by set_backend / TENSOR_OPS_BACKEND.
   std::vector<std::string> known_names() const;
