@@ -1039,3 +1039,65 @@ def test_output_layouts_are_torchs():
     for op, args in ((torch.ops.tensor_ops.silu.default, (x,)), (torch.ops.tensor_ops.gelu.default, (xt, "tanh")),
                      (torch.ops.tensor_ops.softmax.default, (x3, 1, 1.0, False))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_o3_keeps_complex_buffers():
+    """O3's reduced precision casts real floating tensors only: Module.to(bf16)
+    also cast a complex RoPE table (torchtitan's freqs_cis) to its real part,
+    and the model's output was 0.73 off, with no warning."""
+
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.register_buffer("freqs_cis", torch.polar(torch.ones(4), torch.arange(4.0)))
+
+        def forward(self, x):
+            y = self.proj(x).float()
+            z = torch.view_as_complex(y.reshape(*y.shape[:-1], 4, 2)) * self.freqs_cis
+            return torch.view_as_real(z).flatten(-2)
+
+    torch.manual_seed(0)
+    ref = Rotary()
+    got, result = tt.prepare_model(copy.deepcopy(ref), "O3", compile_options={"backend": "eager"})
+    assert got.freqs_cis.dtype == torch.complex64 and torch.equal(got.freqs_cis, ref.freqs_cis)
+    assert got.proj.weight.dtype == torch.bfloat16
+    assert any("1 complex tensors kept" in a for a in result.optimizations_applied), result.optimizations_applied
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert rel_err(got(x), ref(x)) < 2e-2
+
+
+def test_custom_kernels_leave_shared_and_hooked_linears_unfused():
+    """prepare_model_with_custom_kernels fused a Linear also called outside
+    its Sequential (its other caller got GELU too: 0.72 off) or watched by a
+    hook (which saw GELU's output); both are left unfused, said in warnings."""
+    from tensor_ops.torch import prepare_model_with_custom_kernels
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+            self.mlp = nn.Sequential(self.proj, nn.GELU())
+
+        def forward(self, x):
+            return self.mlp(x) + self.proj(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 16)
+    ref = Shared()
+    got, result = prepare_model_with_custom_kernels(copy.deepcopy(ref), "O1")
+    assert any("registered in 2 places" in w for w in result.warnings), result.warnings
+    with torch.no_grad():
+        assert rel_err(got(x), ref(x)) < 1e-5
+    seq = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    seen = []
+    seq[0].register_forward_hook(lambda m, i, o: seen.append(o.detach()))
+    got, result = prepare_model_with_custom_kernels(copy.deepcopy(seq), "O1")
+    assert any("a hook" in w for w in result.warnings), result.warnings
+    with torch.no_grad():
+        seq(x)
+        got(x)
+    assert rel_err(seen[1], seen[0]) < 1e-5
+    fused, result = prepare_model_with_custom_kernels(nn.Sequential(nn.Linear(16, 16), nn.GELU()), "O1")
+    assert type(fused[0]).__name__ == "FusedLinearGELU"  # the plain case still fuses

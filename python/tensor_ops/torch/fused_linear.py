@@ -148,15 +148,34 @@ def _fuse(linear: nn.Linear, act: nn.Module):
     return None
 
 
-def _fuse_sequentials(m: nn.Module, counts: collections.Counter) -> None:
-    for child in m.children():
-        _fuse_sequentials(child, counts)
+def _hooked(m: nn.Module) -> bool:
+    return any(getattr(m, name, None) for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                   "_backward_pre_hooks", "_forward_hooks_with_kwargs"))
+
+
+def _fuse_sequentials(m: nn.Module, counts: collections.Counter, warnings: list, uses: collections.Counter,
+                      path: str = "") -> None:
+    """Fuses Linear -> activation pairs in the Sequentials under m. Not a
+    Linear registered in more than one place (its other callers would get
+    the activation too) or with hooks (they would see the activation's
+    output, or the activation's hooks would no longer fire): said in warnings."""
+    for name, child in m.named_children():
+        _fuse_sequentials(child, counts, warnings, uses, f"{path}.{name}" if path else name)
     if not isinstance(m, nn.Sequential):
         return
     names = list(m._modules)
     for a, b in zip(names, names[1:]):
         lin, act = m._modules[a], m._modules[b]
-        if type(lin) is nn.Linear and not isinstance(act, nn.Identity):
+        if type(lin) is nn.Linear and isinstance(act, (nn.GELU, nn.SiLU)):
+            where = f"{path}.{a}" if path else a
+            if uses[id(lin)] > 1:
+                warnings.append(f"{where} (Linear) left unfused with its {type(act).__name__}: the same Linear is "
+                                f"registered in {uses[id(lin)]} places, whose other callers would get the activation")
+                continue
+            if _hooked(lin) or _hooked(act):
+                warnings.append(f"{where} (Linear) left unfused with its {type(act).__name__}: a hook on one of "
+                                f"them would see the fused output or no longer fire")
+                continue
             fused = _fuse(lin, act)
             if fused is not None:
                 m._modules[b] = nn.Identity()
@@ -173,9 +192,12 @@ def prepare_model_with_custom_kernels(model: nn.Module, level="O1", **prepare_op
     from .prepare import prepare_model
 
     counts: collections.Counter = collections.Counter()
-    _fuse_sequentials(model, counts)
+    refused: list = []
+    uses = collections.Counter(id(mod) for _, mod in model.named_modules(remove_duplicate=False))
+    _fuse_sequentials(model, counts, refused, uses)
     model, result = prepare_model(model, level, **prepare_options)
     fused = [f"{what} x{n}" for what, n in sorted(counts.items())]
+    result.warnings[0:0] = refused
     if fused:
         result.warnings = [w for w in result.warnings if not w.startswith("O1: no module")]
     result.optimizations_applied[1:1] = fused  # after device placement

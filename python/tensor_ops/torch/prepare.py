@@ -304,10 +304,14 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
     if level >= OptimizationLevel.O3:
         dtype = _reduced_dtype(backend.device)
         n = sum(t.is_floating_point() for t in _tensors(model))
-        model.to(dtype)
+        kept = sum(t.is_complex() for t in _tensors(model))
+        # Real floating tensors only: Module.to(dtype) also casts complex ones to the real dtype, which
+        # dropped the imaginary part of a complex RoPE table (torchtitan's freqs_cis: output 0.73 off).
+        model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
         model.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True)
         applied.append(f"reduced precision: {n} floating parameter/buffer tensors in {dtype}, "
-                       f"floating inputs cast on entry")
+                       f"floating inputs cast on entry" + (f"; {kept} complex tensors kept as they were"
+                                                           if kept else ""))
         if (backend.name == "cpu" and backend.get_device_info().properties.get("has_avx512_bf16") == "0"
                 and not (_linears_swapped(counts) and modules.half_gemm_in_fp32(dtype))):
             warnings.append("O3 on a CPU without bf16 instructions (has_avx512_bf16=0): torch's bf16 matmuls "
