@@ -107,7 +107,7 @@ def test_optimize_for_training_fuses_adam_with_the_same_state(kind):
         o.zero_grad()
     backend = kp.get_backend("cpu")
     model, fused = backend.optimize_for_training(model, opt)
-    assert type(fused) is kind and fused is not opt and all(g["fused"] for g in fused.param_groups)
+    assert type(fused) is kind and fused is opt and all(g["fused"] for g in fused.param_groups)
     assert [g["lr"] for g in fused.param_groups] == [3e-2, 1e-2] and fused.param_groups[0]["amsgrad"]
     assert "fused=True" in backend.last_result.optimizations_applied[-1]
     ref_model.train()

@@ -26,7 +26,8 @@ def test_default_adam_becomes_fused_and_trains_the_same(kind, as_keyword):
     b = BackendFactory.create("cpu")
     out = b.optimize_for_training(model, optimizer=opt) if as_keyword else b.optimize_for_training(model, opt)
     model, fused, result = out
-    assert model.training and fused is not opt and type(fused) is kind
+    # the same object, switched in place: a scheduler attached to it keeps driving it
+    assert model.training and fused is opt and type(fused) is kind
     assert all(g["fused"] for g in fused.param_groups)
     assert any("fused=True" in s for s in result.optimizations_applied), result.optimizations_applied
     x = torch.randn(8, 16)
@@ -35,6 +36,34 @@ def test_default_adam_becomes_fused_and_trains_the_same(kind, as_keyword):
             o.zero_grad()
             m(x).square().mean().backward()
             o.step()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_a_scheduler_and_earlier_steps_carry_over():
+    """An LR scheduler made before optimize_for_training keeps setting the lr
+    of the optimizer that steps (it drove a discarded one: 1e-6 set, 1e-2
+    used), and the state of steps taken before carries over."""
+    ref, model = _model(), _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (ref_opt, opt)]
+    x = torch.randn(8, 16)
+
+    def step(m, o, s):
+        o.zero_grad()
+        m(x).square().mean().backward()
+        o.step()
+        s.step()
+
+    for pair in ((ref, ref_opt, scheds[0]), (model, opt, scheds[1])):
+        step(*pair)
+    _, fused, _ = BackendFactory.create("cpu").optimize_for_training(model, opt)
+    assert fused is opt and fused.param_groups[0]["fused"]
+    for _ in range(3):
+        step(ref, ref_opt, scheds[0])
+        step(model, fused, scheds[1])
+    assert fused.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** 4
     for p, q in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 

@@ -177,8 +177,9 @@ class Backend:
         (model, result). Given an optimizer (as `optimizer=` or in place of
         the level: optimize_for_training(model, opt)), returns (model,
         optimizer, result) with the fastest correct optimizer: torch's fused
-        kernel for a default Adam / AdamW (same groups, hyperparameters and
-        state), else the one given; result.optimizations_applied says which."""
+        kernel for a default Adam / AdamW (the same object switched in place:
+        groups, hyperparameters, state and attached LR schedulers kept), else
+        the one given; result.optimizations_applied says which."""
         if isinstance(level, torch.optim.Optimizer):
             level, optimizer = "O1", level
         model.train()

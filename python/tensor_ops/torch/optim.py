@@ -34,13 +34,17 @@ def fuse_optimizer(optimizer: torch.optim.Optimizer) -> Tuple[torch.optim.Optimi
             why = f"a parameter is {bad[0].dtype} on {bad[0].device} (fused needs floating point on CPU or CUDA)"
     if why:
         return optimizer, f"optimizer kept as given ({name}): {why}"
+    # The same object, switched to the fused kernel in place (what
+    # Adam(..., fused=True) sets up: the groups' flags, the defaults, AMP's
+    # flag, the state reloaded as the fused kernel keeps it): an LR scheduler
+    # or a GradScaler holding this optimizer keeps driving the one that steps
+    # (a new optimizer left a StepLR changing the old one's lr: 1e-6 set, 1e-2 used).
     state = optimizer.state_dict()
     for g in state["param_groups"]:
         g["fused"], g["foreach"] = True, None
-    takes = inspect.signature(kind.__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in takes and k not in ("fused", "foreach")}
-    fused = kind([{**{k: v for k, v in g.items() if k not in ("fused", "foreach")}, "params": list(g["params"])}
-                  for g in groups], **defaults, fused=True)
-    fused.load_state_dict(state)
-    return fused, (f"optimizer: {name} -> {kind.__qualname__}(fused=True), torch's fused kernel, with the same "
-                   f"{len(groups)} param group(s), hyperparameters and state")
+    optimizer.defaults.update(fused=True, foreach=None)
+    optimizer._step_supports_amp_scaling = True
+    optimizer.load_state_dict(state)
+    return optimizer, (f"optimizer: {name} switched in place to fused=True, torch's fused kernel, with the same "
+                       f"{len(groups)} param group(s), hyperparameters and state (the same object: schedulers "
+                       f"attached to it keep working)")
