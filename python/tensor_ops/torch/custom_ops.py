@@ -219,6 +219,23 @@ _SECOND_ORDER = (b"tensor_ops: a second derivative through this op's backward ke
                  b"computed; run this part of the model on torch's own op")
 
 
+def _outer_differentiating_levels() -> int:
+    """How many torch.func levels that differentiate (grad / vjp / jacrev,
+    jvp / jacfwd) are active around a backward, besides the one running it:
+    torch.func.grad runs the backward inside its own level (innermost on the
+    stack: [Grad] for grad, [Vmap, Grad] for vmap of grad), vjp / jacrev after
+    leaving it ([Vmap] for jacrev). More than that is a level that will
+    differentiate the backward's result ([Grad, Grad] for grad of grad,
+    [Grad, Vmap] for jacrev of jacrev)."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    kinds = [i.key() for i in retrieve_all_functorch_interpreters()]
+    differentiating = (TransformType.Grad, TransformType.Jvp)
+    n = sum(k in differentiating for k in kinds)
+    return n - 1 if kinds and kinds[-1] in differentiating else n
+
+
 def first_order(backward):
     """backward run without recording autograd; under create_graph, its
     gradients raise when differentiated if any incoming gradient or saved
@@ -227,9 +244,15 @@ def first_order(backward):
     def wrapper(ctx, *grads):
         with torch.no_grad():
             outputs = backward(ctx, *grads)
-        if not torch.is_grad_enabled() or _functorch_stack() is not None:
-            # torch.func's grad always differentiates with create_graph; its tensors cannot be marked
-            # (requires_grad_ is refused inside a transform): a grad of grad there goes unchecked.
+        if _functorch_stack() is not None:
+            # torch.func's grad always differentiates with create_graph, and its tensors cannot be
+            # marked (requires_grad_ is refused inside a transform). A backward run inside an
+            # outer differentiating level (grad of grad, jacrev of jacrev: a Hessian, a gradient
+            # penalty) is being differentiated again: refused here (it gave zeros, silently).
+            if _outer_differentiating_levels() >= 1:
+                raise RuntimeError(_SECOND_ORDER.decode() + " (torch.func: a grad of a grad)")
+            return outputs
+        if not torch.is_grad_enabled():
             return outputs
         saved = getattr(ctx, "saved_tensors", ())
         anchors = [t for t in (*grads, *saved) if isinstance(t, Tensor) and t.requires_grad]
