@@ -1117,3 +1117,35 @@ def test_custom_kernels_leave_shared_and_hooked_linears_unfused():
     assert rel_err(seen[1], seen[0]) < 1e-5
     fused, result = prepare_model_with_custom_kernels(nn.Sequential(nn.Linear(16, 16), nn.GELU()), "O1")
     assert type(fused[0]).__name__ == "FusedLinearGELU"  # the plain case still fuses
+
+
+def test_prepared_models_script(tmp_path):
+    """Note [scripted modules]: torch.jit.script of a prepared model (it failed
+    on every swapped module: a frozenset, a try block) compiles torch's own
+    computation, saves, loads and matches the eager prepared model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(approximate="tanh"), nn.Linear(32, 32),
+                          nn.SiLU(), nn.RMSNorm(32), nn.Linear(32, 8))
+    enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    class GatedMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(16, 24), nn.Linear(16, 24), nn.Linear(24, 16)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    from tensor_ops.torch import prepare_model_with_custom_kernels
+    fused, _ = prepare_model_with_custom_kernels(nn.Sequential(nn.Linear(16, 16), nn.GELU()), "O1")
+    for ref, x in ((model, torch.randn(4, 16)), (enc.eval(), torch.randn(2, 5, 16)), (GatedMLP(), torch.randn(3, 16)),
+                   (fused, torch.randn(3, 16))):
+        got = ref if ref is fused else tt.prepare_model(copy.deepcopy(ref), "O1")[0]
+        assert any(type(m).__module__.startswith("tensor_ops.") for m in got.modules())
+        scripted = torch.jit.script(got)
+        path = str(tmp_path / "m.pt")
+        torch.jit.save(scripted, path)
+        loaded = torch.jit.load(path)
+        with torch.no_grad():
+            want = got(x)
+            assert rel_err(scripted(x), want) < 1e-5 and rel_err(loaded(x), want) < 1e-5

@@ -122,6 +122,12 @@ class FusedLinearGELU(nn.Linear):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # Note [scripted modules] (modules.py)
+            return F.gelu(F.linear(x, self.weight, self.bias), approximate=self.approximate)
+        return self._kernel_forward(x)
+
+    @torch.jit.unused
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_activation(x, self.weight, self.bias, "gelu_tanh" if self.approximate == "tanh" else "gelu")
 
     def extra_repr(self) -> str:
@@ -132,6 +138,12 @@ class FusedLinearSiLU(nn.Linear):
     """nn.Linear followed by SiLU, nn.Linear's parameters and state_dict."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # Note [scripted modules] (modules.py)
+            return F.silu(F.linear(x, self.weight, self.bias))
+        return self._kernel_forward(x)
+
+    @torch.jit.unused
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_activation(x, self.weight, self.bias, "silu")
 
 

@@ -77,10 +77,25 @@ def torch_for_other_dtypes(forward):
     return wrapped
 
 
+# Note [scripted modules]: torch.jit.script of a prepared model compiles
+# each module's forward; ours call Python (the op table, dtype sets, try
+# blocks), which TorchScript cannot compile, so a model that scripted before
+# prepare_model failed after it. Each forward is now a TorchScript branch
+# computing what the torch module it replaces computes (torch's own ops: the
+# scripted model runs and saves anywhere, without our kernels) and, in
+# Python, the kernel forward (torch.jit.unused: not compiled).
+
+
 class RMSNorm(nn.RMSNorm):
     """torch.nn.RMSNorm on the fused tensor_ops kernel (fp32 accumulation)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # Note [scripted modules]
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        return self._kernel_forward(x)
+
+    @torch.jit.unused
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in _KERNEL_DTYPES:
             return _torch_forward(self, x)
         w = self.weight
@@ -110,9 +125,19 @@ class HFRMSNorm(RMSNorm):
     (ours gave x's): the normalised x in x's dtype, then times the weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # Note [scripted modules]: HF's forward
+            eps = self.eps
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + (1e-6 if eps is None else eps))
+            w = self.weight
+            return h.to(x.dtype) if w is None else w * h.to(x.dtype)
+        return self._hf_forward(x)
+
+    @torch.jit.unused
+    def _hf_forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w is None or w.dtype == x.dtype or x.dtype not in _KERNEL_DTYPES or len(self.normalized_shape) != 1:
-            return super().forward(x)
+            return self._kernel_forward(x)
         return hf_rms_norm(x, w, self.eps if self.eps is not None else torch.finfo(x.dtype).eps)
 
 
@@ -120,6 +145,12 @@ class LayerNorm(nn.LayerNorm):
     """torch.nn.LayerNorm on the fused tensor_ops kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # Note [scripted modules]
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return self._kernel_forward(x)
+
+    @torch.jit.unused
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in _KERNEL_DTYPES:
             return _torch_forward(self, x)
         w, b = self.weight, self.bias
@@ -139,6 +170,12 @@ class SiLU(nn.SiLU):
     which the write would overwrite)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # Note [scripted modules]
+            return F.silu(x, inplace=self.inplace)
+        return self._kernel_forward(x)
+
+    @torch.jit.unused
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in _KERNEL_DTYPES:
             return _torch_forward(self, x)
         if not self.inplace:
@@ -150,6 +187,12 @@ class SiLU(nn.SiLU):
 
 class GELU(nn.GELU):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # Note [scripted modules]
+            return F.gelu(x, approximate=self.approximate)
+        return self._kernel_forward(x)
+
+    @torch.jit.unused
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.gelu(x, self.approximate) if x.dtype in _KERNEL_DTYPES else _torch_forward(self, x)
 
 
@@ -381,6 +424,12 @@ class Linear(nn.Linear):
     swap, on the CPU backend)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # Note [scripted modules]
+            return F.linear(x, self.weight, self.bias)
+        return self._kernel_forward(x)
+
+    @torch.jit.unused
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear_rows(x, self.weight, self.bias)
         if y is None:
             y = widened_linear(x, self.weight, self.bias)
@@ -410,6 +459,13 @@ def conv1d_class() -> type:
             __doc__ = conv1d_class.__doc__
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
+                if torch.jit.is_scripting():  # Note [scripted modules]: Conv1D's own
+                    out = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+                    return out.view(x.size()[:-1] + (self.nf,))
+                return self._kernel_forward(x)
+
+            @torch.jit.unused
+            def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
                 if x.dtype is torch.float32 and (_is_compiling() or not fp32_kn_ours()):
                     return super().forward(x)  # neither our kernel nor the fp32 route applies: no checks
                 y = linear_rows(x, self.weight, self.bias, "kn")
@@ -462,6 +518,15 @@ class SwiGLU(nn.Module):
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # Note [scripted modules]
+            gate = self.gate_proj(x)
+            act = F.silu(gate) if self.activation == "silu" else F.gelu(
+                gate, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+            return self.down_proj(act * self.up_proj(x))
+        return self._kernel_forward(x)
+
+    @torch.jit.unused
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if gate.dtype not in _KERNEL_DTYPES:  # a model cast to float64 after prepare_model: torch's arithmetic
             _log_torch_dtype(type(self), "F.silu / F.gelu", gate.dtype)
