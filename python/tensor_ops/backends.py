@@ -196,11 +196,17 @@ def use(name: str) -> Iterator[str]:
     try:
         yield name
     finally:
+        # The block has ended wherever its entry is seen: in the context that
+        # entered it (reset below, or, when the block ended in another
+        # context, a generator resumed on another thread, at that context's
+        # next op) and in the contexts copied while it ran (a task created
+        # in the block): every mirror is rebuilt without it.
         entry.active = False
         try:
             _SCOPES.reset(token)
-        except ValueError:  # ended in another context (a generator resumed on another thread)
-            _C.scopes_changed()  # the context that entered it drops it at its next op
+        except ValueError:
+            pass
+        _C.scopes_changed()
 
 
 def get_backend_info() -> Dict[str, Any]:

@@ -173,3 +173,33 @@ def test_use_block_ended_on_another_thread():
     assert tensor_ops.get_backend() == before
     x = np.linspace(-3, 3, 64, dtype=np.float32)
     np.testing.assert_allclose(tensor_ops.silu(x), ref_silu(x), rtol=1e-5, atol=1e-6)
+
+
+def test_task_created_in_a_use_block_after_it_ended():
+    """A task created inside a use() block and run after the block ended runs
+    where the parent does (the block is over), whatever the thread ran in
+    between: it depended on whether the parent had run an op after the exit."""
+    import asyncio
+
+    other = _second_backend()
+    x = np.ones((1, 8), np.float32)
+
+    def where():
+        return tensor_ops._C.backend_for(x), tensor_ops.get_backend()
+
+    async def child(ev):
+        await ev.wait()
+        return where()
+
+    async def main(op_after_exit):
+        ev = asyncio.Event()
+        with tensor_ops.use(other):
+            assert where() == (other, other) or other == "xla"
+            t = asyncio.create_task(child(ev))
+        if op_after_exit:
+            where()
+        ev.set()
+        return await t
+
+    before = where()
+    assert asyncio.run(main(False)) == asyncio.run(main(True)) == before

@@ -58,8 +58,10 @@ def test_a_scheduler_and_earlier_steps_carry_over():
 
     for pair in ((ref, ref_opt, scheds[0]), (model, opt, scheds[1])):
         step(*pair)
+    groups, group = opt.param_groups, opt.param_groups[0]
     _, fused, _ = BackendFactory.create("cpu").optimize_for_training(model, opt)
     assert fused is opt and fused.param_groups[0]["fused"]
+    assert fused.param_groups is groups and fused.param_groups[0] is group  # held references still drive it
     for _ in range(3):
         step(ref, ref_opt, scheds[0])
         step(model, fused, scheds[1])

@@ -1082,6 +1082,13 @@ def test_o3_keeps_complex_buffers():
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert rel_err(got(x), ref(x)) < 2e-2
+    # still through Module.to (transformers' refusals for quantized models live in its override)
+    class Refusing(Rotary):
+        def to(self, *args, **kwargs):
+            raise ValueError("this model refuses a dtype cast")
+
+    with pytest.raises(ValueError, match="refuses a dtype cast"):
+        tt.prepare_model(Refusing(), "O3", compile_options={"backend": "eager"})
 
 
 def test_custom_kernels_leave_shared_and_hooked_linears_unfused():

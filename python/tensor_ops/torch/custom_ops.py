@@ -654,8 +654,11 @@ def loss_scaled(grad, g, private: bool = False):
         if math.isfinite(g):
             return grad.mul_(g) if private else grad * g
         return torch.where(grad != 0, grad * g, 0.0)
-    if (type(g) is torch.Tensor and g.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not _dispatch_modes() and bool(torch.isfinite(g).all())):  # eager (not traced): looked at
+    # Eager (not traced): the scale is looked at (on a device, one sync), and a finite one scales as
+    # before, in place when private (the fused loss's [V, H] weight gradient: no second copy). Traced,
+    # the select is fused into the product by the compiler.
+    if (type(g) is torch.Tensor and not torch.compiler.is_compiling() and not _dispatch_modes()
+            and bool(torch.isfinite(g).all())):
         return grad.mul_(g) if private else grad * g
     return torch.where(grad != 0, grad * g, 0.0)
 

@@ -39,12 +39,20 @@ def fuse_optimizer(optimizer: torch.optim.Optimizer) -> Tuple[torch.optim.Optimi
     # flag, the state reloaded as the fused kernel keeps it): an LR scheduler
     # or a GradScaler holding this optimizer keeps driving the one that steps
     # (a new optimizer left a StepLR changing the old one's lr: 1e-6 set, 1e-2 used).
+    # The param_groups list and dicts stay the same objects (code holding one,
+    # a scheduler or a hand-written lr schedule, keeps driving it); the state
+    # is reloaded as the fused kernel keeps it (step counts as float32
+    # tensors on each parameter's device), then the groups are put back.
+    groups = optimizer.param_groups
     state = optimizer.state_dict()
     for g in state["param_groups"]:
         g["fused"], g["foreach"] = True, None
     optimizer.defaults.update(fused=True, foreach=None)
     optimizer._step_supports_amp_scaling = True
     optimizer.load_state_dict(state)
+    for old, new in zip(groups, optimizer.param_groups):
+        old.update({k: v for k, v in new.items() if k != "params"})
+    optimizer.param_groups = groups
     return optimizer, (f"optimizer: {name} switched in place to fused=True, torch's fused kernel, with the same "
                        f"{len(groups)} param group(s), hyperparameters and state (the same object: schedulers "
                        f"attached to it keep working)")

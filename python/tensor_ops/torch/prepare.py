@@ -304,10 +304,20 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
     if level >= OptimizationLevel.O3:
         dtype = _reduced_dtype(backend.device)
         n = sum(t.is_floating_point() for t in _tensors(model))
-        kept = sum(t.is_complex() for t in _tensors(model))
         # Real floating tensors only: Module.to(dtype) also casts complex ones to the real dtype, which
         # dropped the imaginary part of a complex RoPE table (torchtitan's freqs_cis: output 0.73 off).
-        model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+        # model.to itself still runs (transformers' refusals for quantized models live there); the
+        # complex tensors are put back after it.
+        complex_slots = [(m, slot, name, t if slot == "_buffers" else t.data) for m in model.modules()
+                         for slot in ("_parameters", "_buffers") for name, t in getattr(m, slot).items()
+                         if t is not None and t.is_complex()]
+        kept = len(complex_slots)
+        model.to(dtype)
+        for m, slot, name, original in complex_slots:
+            if slot == "_buffers":
+                m._buffers[name] = original
+            else:
+                m._parameters[name].data = original
         model.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True)
         applied.append(f"reduced precision: {n} floating parameter/buffer tensors in {dtype}, "
                        f"floating inputs cast on entry" + (f"; {kept} complex tensors kept as they were"
