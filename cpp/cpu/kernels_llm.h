@@ -49,6 +49,17 @@ TENSOR_OPS_VEC_INLINE float layer_mean(const void* xr, int64_t cols) {
   return x0[0] + float(vsum(cols, [&](int64_t i, auto a) { return ldx<D>(xr, i, a) - x0; }) / double(cols));
 }
 
+// Note [layer_norm's corrected mean]
+// The mean summed in fp32 lanes is off by a few ulps of |mean|, which for a
+// row far from 0 (x = 1e5 + N(0, 1): an ulp is 0.008) is a few 1e-3 of its
+// spread, and every output carried it: 8e-3 relative error where torch's
+// Welford is 2.4e-3. The variance pass sums the deviations d = x - m too;
+// their mean is m's error (d is exact or nearly: x and m are close), so the
+// mean is m + sum(d) / n and the variance sum(d^2) / n - (sum(d) / n)^2 (the
+// corrected two-pass algorithm): one more add per element, from cache. And
+// x - mean is taken as (x - mean_hi) - mean_lo, the mean split into two
+// floats: one float mean is itself half an ulp of |mean| off (4e-3 of the
+// spread in that example, torch's error); x - mean_hi is exact for x near it.
 // Whether a row's variance about its plain mean m is too small to trust m.
 TENSOR_OPS_VEC_INLINE bool layer_mean_again(float m, double var) {
   const double ulp = double(__builtin_fabsf(m)) * 1.1920928955078125e-7;  // 2^-23 |m|
@@ -91,18 +102,21 @@ int layer_norm_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch) {
     // Three passes over the row (the last two from cache); y from registers.
     const void* xr = row_of<D>(x, r);
     const auto ms = layer_mean_and<D>(xr, cols, [&](float m) {
-      return vsums<1>(cols, [&](int64_t i, auto a) {
+      return vsums<2>(cols, [&](int64_t i, auto a) {
         const vf d = ldx<D>(xr, i, a) - m;
-        return std::array<vf, 1>{d * d};
+        return std::array<vf, 2>{d * d, d};
       });
     });
-    const float mean = ms.first;
-    const double var = ms.second[0] / double(cols);
+    // Note [layer_norm's corrected mean]: the deviations' own sum corrects
+    // the mean and the variance (the corrected two-pass algorithm).
+    const double shift = ms.second[1] / double(cols), mean = double(ms.first) + shift;
+    const float mean_hi = float(mean), mean_lo = float(mean - double(mean_hi));
+    const double var = __builtin_fmax(ms.second[0] / double(cols) - shift * shift, 0.0);
     const float rstd = float(1.0 / __builtin_sqrt(var + double(eps)));
     const char* nx = next_row<D>(x, r, r1);
     vmapx<D>(row_of<D>(y, r), cols, c.ints[7], [&](int64_t i, auto a) {
       prefetch_next<D>(nx, i);
-      return (ldx<D>(xr, i, a) - mean) * rstd * a.ld(wf + i) + a.ld(bf + i);
+      return (ldx<D>(xr, i, a) - mean_hi - mean_lo) * rstd * a.ld(wf + i) + a.ld(bf + i);
     });
   }
   return 0;
@@ -128,18 +142,22 @@ int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
     const void *xr = row_of<D>(x, r), *gr = row_of<D>(dy, r);
     // x_hat = (x - mean) rstd, g = dy w (rounded: the same g in the sums and
     // in dx); c1 = mean(g x_hat), c2 = mean(g).
-    float mean = 0, rstd, c1, c2 = 0;
+    float mean = 0, mean_lo = 0, rstd, c1, c2 = 0;
     if constexpr (Layer) {
       // the forward's mean and variance (layer_mean_and), the gradient's sums in the same pass
       const auto [m, s] = layer_mean_and<D>(xr, cols, [&](float mu) {
-        return vsums<3>(cols, [&](int64_t i, auto a) {
+        return vsums<4>(cols, [&](int64_t i, auto a) {
           const vf d = ldx<D>(xr, i, a) - mu, g = rounded(ldx<D>(gr, i, a) * a.ld(wf + i));
-          return std::array<vf, 3>{d * d, g * d, g};
+          return std::array<vf, 4>{d * d, g * d, g, d};
         });
       });
-      mean = m;
-      rstd = float(1.0 / __builtin_sqrt(s[0] / n + eps));
-      c1 = float(s[1] * double(rstd) / n);
+      // Note [layer_norm's corrected mean]: the forward's mean and variance
+      // (its sums about m, corrected by the deviations' sum); g's sum about
+      // the corrected mean is sum(g d) - shift sum(g).
+      const double shift = s[3] / n, mean_d = double(m) + shift;
+      mean = float(mean_d), mean_lo = float(mean_d - double(mean));
+      rstd = float(1.0 / __builtin_sqrt(__builtin_fmax(s[0] / n - shift * shift, 0.0) + eps));
+      c1 = float((s[1] - shift * s[2]) * double(rstd) / n);
       c2 = float(s[2] / n);
     } else {
       const auto s = vsums<2>(cols, [&](int64_t i, auto a) {
@@ -155,7 +173,7 @@ int norm_backward_k(const to_op_call& c, int64_t r0, int64_t r1, float* scratch)
       prefetch_next<D>(ng, i);
       const vf gy = ldx<D>(gr, i, a);
       vf xh = ldx<D>(xr, i, a);
-      if constexpr (Layer) xh = xh - mean;
+      if constexpr (Layer) xh = xh - mean - mean_lo;
       xh = xh * rstd;
       a.st(dw + i, a.ld(dw + i) + gy * xh);
       if constexpr (Layer) a.st(db + i, a.ld(db + i) + gy);

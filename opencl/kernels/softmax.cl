@@ -19,7 +19,8 @@ __kernel void softmax(const __global T* x, ulong x_off, ulong x_stride, __global
     valid = (ulong)clamp((long)(row % lq) + (causal == 2 ? 0L : (long)cols - (long)lq) + 1, 0L, (long)cols);
   const float ninf = -INFINITY;
   float8 mx = ninf;
-  TO_ROW_CHUNKS(valid) mx = fmax(mx, load8n(x, xr + c, n, ninf) * scale);
+  // padding lanes -inf after the scale (-inf times a negative scale is +inf: every row was NaN)
+  TO_ROW_CHUNKS(valid) mx = fmax(mx, select((float8)ninf, load8n(x, xr + c, n, 0.0f) * scale, lanes_below(n)));
   const float m = group_max(hmax8(mx), red);
   float8 acc = 0.0f;
   TO_ROW_CHUNKS(valid) acc += select((float8)0.0f, exp(load8n(x, xr + c, n, 0.0f) * scale - m), lanes_below(n));

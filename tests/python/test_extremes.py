@@ -254,3 +254,54 @@ def test_layer_norm_of_a_constant_row_is_its_bias_on_every_target(target):
             w, b = np.linspace(0.5, 2.0, cols, dtype=np.float32), np.linspace(-1.0, 1.0, cols, dtype=np.float32)
             y = np.asarray(tensor_ops.layer_norm(x, w, b, 1e-5), dtype=np.float32)
             assert np.array_equal(y, np.broadcast_to(b, y.shape)), f"{target}: c={c} cols={cols}: {y[0, :4]}"
+
+
+@pytest.mark.parametrize("offset", [1e3, 1e5, -3e5])
+def test_layer_norm_far_from_zero_as_accurate_as_torch(offset, target):
+    """Note [layer_norm's corrected mean] (CPU): rows x = offset + N(0, 1)
+    normalised against float64: the fp32 mean was a few ulps of |mean| off
+    (at 1e5, 8e-3 of the spread in every output; torch's Welford 2.4e-3).
+    Every target is held to a few half-ulps of a float mean (3e-5 of |offset|
+    relative to the spread: 0.018 at 3e5); the CPU kernel to 1e-5 (the mean
+    split in two floats)."""
+    rng = np.random.default_rng(7)
+    for cols in (7, 512, 4099):
+        x = (offset + rng.standard_normal((4, cols))).astype(np.float32)
+        w, b = np.ones(cols, np.float32), np.zeros(cols, np.float32)
+        x64 = x.astype(np.float64)
+        want = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
+        got = np.asarray(tensor_ops.layer_norm(x, w, b, 1e-5), dtype=np.float64)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        bound = 1e-5 if target.backend == "cpu" else 3 * abs(offset) * 2.0 ** -24 + 1e-4
+        assert err < bound, f"{target}: cols={cols} error {err:.2e}"
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("causal", [0, 1, 2])
+def test_softmax_negative_scale_on_every_target(log, causal, target):
+    """scale < 0 on rows whose visible length is no multiple of the vector
+    width: OpenCL's padding lanes (-inf) became +inf after the scale, and every
+    row was NaN."""
+    rng = np.random.default_rng(3)
+    for shape in ((1, 1), (40, 17), (17, 40), (3, 9)):
+        x = rng.standard_normal(shape).astype(np.float32)
+        for scale in (-1.0, -0.001, -3.5):
+            z = x.astype(np.float64) * scale
+            rows, cols = shape
+            keep = np.ones(shape, bool)
+            if causal:
+                off = 0 if causal == 2 else cols - rows
+                keep = np.arange(cols)[None, :] <= np.arange(rows)[:, None] + off
+            zm = np.where(keep, z, -np.inf)
+            m = zm.max(-1, keepdims=True)
+            seen = np.isfinite(m)
+            e = np.where(keep, np.exp(zm - np.where(seen, m, 0)), 0.0)
+            s = e.sum(-1, keepdims=True)
+            if log:
+                want = np.where(keep & seen, zm - np.where(seen, m, 0) - np.log(np.where(s > 0, s, 1)), -np.inf)
+            else:
+                want = np.where(seen, e / np.where(s > 0, s, 1), 0.0)
+            f = tensor_ops.log_softmax if log else tensor_ops.softmax
+            got = np.asarray(f(x, scale=scale, causal=bool(causal)) if causal != 2 else
+                             f(x, scale=scale, causal=True, causal_alignment="top_left"), dtype=np.float64)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{target} {shape} scale={scale}")
