@@ -102,69 +102,31 @@ def test_os_fork_child_runs_cpu_ops_and_the_parent_still_does():
     assert rc == 0 and out.strip().endswith("ok"), err
 
 
-def _opencl_status():
-    for b in tensor_ops.backends():
-        if b.name == "opencl":
-            return b
-    return None
-
-
-def test_opencl_in_a_forked_child_is_a_clear_error_not_a_hang():
-    s = _opencl_status()
+# OpenCL (PoCL runs threads) may work in the child or refuse; the XLA shim,
+# once JAX started in the parent, must refuse (its first op hung forever).
+@pytest.mark.parametrize("backend, allowed", [("opencl", ("child 0", "child 2")), ("xla", ("child 2",))])
+def test_backend_in_a_forked_child_is_a_clear_error_not_a_hang(backend, allowed):
+    s = next((b for b in tensor_ops.backends() if b.name == backend), None)
     if s is None or not s.usable:
-        pytest.skip(f"opencl is not usable here: {s.reason if s else 'not listed'}")
-    code = """
+        pytest.skip(f"{backend} is not usable here: {s.reason if s else 'not listed'}")
+    code = f"""
     import os
     import numpy as np
     import tensor_ops
     x = np.linspace(-4, 4, 4096, dtype=np.float32)
-    with tensor_ops.use("opencl"):
+    with tensor_ops.use({backend!r}):
         tensor_ops.silu(x)
     pid = os.fork()
     if pid == 0:
         status = 3
         try:
-            with tensor_ops.use("opencl"):
+            with tensor_ops.use({backend!r}):
                 tensor_ops.silu(x)
-            status = 0  # works: allowed, as long as it does not hang
+            status = 0  # works
         except tensor_ops.BackendUnavailableError as e:
             msg = str(e)
-            status = 2 if ("fork()" in msg and "'spawn'" in msg) else 4
+            status = 2 if ("fork" in msg and "'spawn'" in msg) else 4
             print(msg, flush=True)
-        finally:
-            os._exit(status)
-    _, status = os.waitpid(pid, 0)
-    print("child", os.waitstatus_to_exitcode(status))
-    """
-    rc, out, err = _run(code, TENSOR_OPS_BACKEND="cpu")
-    assert rc == 0, err
-    code_line = out.strip().splitlines()[-1]
-    assert code_line in ("child 0", "child 2"), out + err
-
-
-def test_xla_in_a_forked_child_is_a_clear_error_not_a_hang():
-    """The XLA shim after JAX started in the parent: JAX does not survive
-    fork, and the child's first op hung forever; now backends() says why and
-    the op raises BackendUnavailableError."""
-    pytest.importorskip("jax")
-    code = """
-    import os
-    import numpy as np
-    import tensor_ops
-    x = np.linspace(-4, 4, 4096, dtype=np.float32)
-    with tensor_ops.use("xla"):
-        tensor_ops.silu(x)
-    pid = os.fork()
-    if pid == 0:
-        status = 3
-        try:
-            st = [b for b in tensor_ops.backends() if b.name == "xla"][0]
-            print(st.usable, st.reason, flush=True)
-            with tensor_ops.use("xla"):
-                tensor_ops.silu(x)
-        except tensor_ops.BackendUnavailableError as e:
-            status = 2 if ("forked" in str(e) and "'spawn'" in str(e) and not st.usable) else 4
-            print(e, flush=True)
         finally:
             os._exit(status)  # not sys.exit: JAX's own exit handlers crash in a forked child
     _, status = os.waitpid(pid, 0)
@@ -172,4 +134,4 @@ def test_xla_in_a_forked_child_is_a_clear_error_not_a_hang():
     """
     rc, out, err = _run(code, TENSOR_OPS_BACKEND="cpu")
     assert rc == 0, err
-    assert out.strip().splitlines()[-1] == "child 2", out + err
+    assert out.strip().splitlines()[-1] in allowed, out + err

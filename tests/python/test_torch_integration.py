@@ -2,6 +2,7 @@
 prepare_model / validate_model, the factory API, and a small Llama-style
 model prepared at O1 / O2 / O3 against the same model in plain torch."""
 import copy
+import functools
 import json
 import math
 import os
@@ -21,6 +22,18 @@ from tensor_ops.torch import custom_ops, factory  # noqa: E402
 
 
 # ---- the model the acceptance tests, the DDP test and the benchmark share ----
+
+class GatedMLP(nn.Module):
+    """An HF-style gated MLP (gate / up / down Linear, act_fn): what prepare_model turns into a SwiGLU."""
+
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(hidden, inter), nn.Linear(hidden, inter), nn.Linear(inter, hidden)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
 
 def rope_ref(x, cos, sin):
     """NeoX rotary embedding of x [B, H, S, D] with tables [S, D / 2]."""
@@ -984,14 +997,7 @@ def test_prepared_model_cast_to_float64_runs():
     RMSNorms recursed forever)."""
     torch.manual_seed(0)
 
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16)
-            self.act_fn = nn.SiLU()
-
-        def forward(self, x):
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    MLP = functools.partial(GatedMLP, 16, 32)
 
     ref = nn.Sequential(nn.RMSNorm(16), MLP(), nn.LayerNorm(16), nn.GELU())
     got, result = tt.prepare_model(copy.deepcopy(ref), "O1")
@@ -1134,18 +1140,9 @@ def test_prepared_models_script(tmp_path):
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(approximate="tanh"), nn.Linear(32, 32),
                           nn.SiLU(), nn.RMSNorm(32), nn.Linear(32, 8))
     enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-    class GatedMLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(16, 24), nn.Linear(16, 24), nn.Linear(24, 16)
-            self.act_fn = nn.SiLU()
-
-        def forward(self, x):
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
     from tensor_ops.torch import prepare_model_with_custom_kernels
     fused, _ = prepare_model_with_custom_kernels(nn.Sequential(nn.Linear(16, 16), nn.GELU()), "O1")
-    for ref, x in ((model, torch.randn(4, 16)), (enc.eval(), torch.randn(2, 5, 16)), (GatedMLP(), torch.randn(3, 16)),
+    for ref, x in ((model, torch.randn(4, 16)), (enc.eval(), torch.randn(2, 5, 16)), (GatedMLP(16, 24), torch.randn(3, 16)),
                    (fused, torch.randn(3, 16))):
         got = ref if ref is fused else tt.prepare_model(copy.deepcopy(ref), "O1")[0]
         assert any(type(m).__module__.startswith("tensor_ops.") for m in got.modules())
