@@ -533,6 +533,21 @@ def test_moe_loss_keeps_router_aux_loss(family, fused):
     assert len(tup) == len(want) and rel(tup[1], want[1]) < 1e-5  # aux_loss in HF's slot
 
 
+def test_a_models_own_loss_function_is_kept():
+    """Note [checked losses] per model: one llama given its own loss_function
+    (HF's setter) keeps it, another of the same class gets ours (the form was
+    cached per class: the first one seen decided for both)."""
+    x = ids(seed=8)
+    plain, custom = build("llama"), build("llama")
+    custom.loss_function = lambda logits, labels, vocab_size, **kw: 2.0 * torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, vocab_size).float(), labels[:, 1:].reshape(-1))
+    with torch.no_grad():
+        want_custom, want_plain = custom(x, labels=x).loss.item(), plain(x, labels=x).loss.item()
+    for model, want in ((prepared(plain)[0], want_plain), (prepared(custom)[0], want_custom)):
+        with torch.no_grad():
+            assert abs(model(x, labels=x).loss.item() - want) <= 1e-5 * want
+
+
 def test_unshifted_lm_losses_stay_hf():
     """Note [checked losses]: BartForCausalLM computes its own unshifted loss;
     ours (shifted) gave 4.55 for HF's 4.14. Its loss is left as HF's, said."""

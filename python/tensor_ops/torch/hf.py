@@ -947,21 +947,25 @@ _LOSS_FORMS: Dict[type, _LossForm] = {}
 
 
 def _loss_form(model: nn.Module) -> _LossForm:
-    """How type(model)'s forward computes its loss (Note [checked losses])."""
+    """How type(model)'s forward computes its loss (Note [checked losses]):
+    the forward's names read once per class, the loss function (which a
+    model's loss_type or a set loss_function may change) per call."""
     cls = type(model)
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # pragma: no cover - a transformers without it
+        ForCausalLMLoss = None
+    if ForCausalLMLoss is None or getattr(model, "loss_function", None) is not ForCausalLMLoss:
+        return _LossForm(f"{cls.__name__} computes its loss with {getattr(model, 'loss_function', None)!r}, not "
+                         f"transformers' ForCausalLMLoss", False, False)
     form = _LOSS_FORMS.get(cls)
     if form is not None:
         return form
     names = swap_check.forward_names(cls)
     base = {getattr(model, "base_model_prefix", "")}
-    try:
-        from transformers.loss.loss_utils import ForCausalLMLoss
-    except ImportError:  # pragma: no cover - a transformers without it
-        ForCausalLMLoss = None
     if names is None:
         form = _LossForm(f"{cls.__name__}.forward is not Python code we can read", False, False)
-    elif "loss_function" not in names or ForCausalLMLoss is None or getattr(
-            model, "loss_function", None) is not ForCausalLMLoss:
+    elif "loss_function" not in names:
         form = _LossForm(f"{cls.__name__} computes its loss itself, not with transformers' ForCausalLMLoss", False,
                          False)
     else:
