@@ -949,15 +949,29 @@ _LOSS_FORMS: Dict[type, _LossForm] = {}
 def _loss_form(model: nn.Module) -> _LossForm:
     """How type(model)'s forward computes its loss (Note [checked losses]):
     the forward's names read once per class, the loss function (which a
-    model's loss_type or a set loss_function may change) per call."""
+    model's loss_type or a set loss_function may change) once per model (at
+    prepare time: HF's loss_function property logs, which a compiled forward
+    must not call)."""
+    form = model.__dict__.get("_tensor_ops_loss_form")
+    if form is None:
+        form = model.__dict__["_tensor_ops_loss_form"] = _loss_form_of(model)
+    return form
+
+
+def _loss_form_of(model: nn.Module) -> _LossForm:
     cls = type(model)
     try:
-        from transformers.loss.loss_utils import ForCausalLMLoss
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     except ImportError:  # pragma: no cover - a transformers without it
-        ForCausalLMLoss = None
-    if ForCausalLMLoss is None or getattr(model, "loss_function", None) is not ForCausalLMLoss:
-        return _LossForm(f"{cls.__name__} computes its loss with {getattr(model, 'loss_function', None)!r}, not "
-                         f"transformers' ForCausalLMLoss", False, False)
+        LOSS_MAPPING, ForCausalLMLoss = {}, None
+    # PreTrainedModel.loss_function without its log line (a compiled forward may get here): the
+    # function set on the model, else LOSS_MAPPING's for its loss_type, ForCausalLM's by default.
+    loss_function = model.__dict__.get("_loss_function")
+    if loss_function is None:
+        loss_function = LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM", ForCausalLMLoss)
+    if ForCausalLMLoss is None or loss_function is not ForCausalLMLoss:
+        return _LossForm(f"{cls.__name__} computes its loss with {loss_function!r}, not transformers' "
+                         f"ForCausalLMLoss", False, False)
     form = _LOSS_FORMS.get(cls)
     if form is not None:
         return form
