@@ -240,3 +240,23 @@ def test_softmax_causal_top_left_on_every_backend(dims, target, rng):
     keep = np.tril(np.ones((Lq, Lk), bool))
     e = np.where(keep, np.exp(0.5 * x.astype(np.float64) - 0.5 * x.max()), 0.0)
     assert_close(np.asarray(got), e / e.sum(-1, keepdims=True), "float32", "softmax top-left")
+
+
+@pytest.mark.parametrize("lq", [7, 6])
+@pytest.mark.parametrize("mask_dims", [0, 2, 3])
+def test_three_dim_inputs_as_sdpa(lq, mask_dims, rng):
+    """[batch, seq, head_dim] q / k / v, as torch's SDPA takes them (one
+    head): the unmasked call refused them, the masked one read seq as heads
+    ("kv heads (7) must divide q heads (6)" for Lq != Lk)."""
+    q, k, v = leaves(rng, (5, lq, 16), (5, 7, 16))
+    mask = None if not mask_dims else torch.rand((5, lq, 7)[3 - mask_dims:], generator=torch.Generator().manual_seed(1)) > 0.3
+    if mask is not None:
+        mask[..., 0] = True
+    do = torch.randn(5, lq, 16)
+    want = run(F.scaled_dot_product_attention, q, k, v, do, attn_mask=mask)
+    got = run(sdpa, q, k, v, do, attn_mask=mask)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert_close(g.detach().numpy(), w.detach().numpy(), "float32", "3-d sdpa")
+    with pytest.raises(ValueError, match=r"got shapes \(2, 3, 4, 5, 6\)"):
+        sdpa(torch.randn(2, 3, 4, 5, 6), k, v)

@@ -48,6 +48,13 @@ def scaled_dot_product_attention(q, k, v, attn_mask: Optional[torch.Tensor] = No
     masked rows])."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if q.dim() == k.dim() == v.dim() == 3:  # [batch, seq, head_dim], as SDPA takes it: one head
+        mask = attn_mask[:, None] if attn_mask is not None and attn_mask.dim() == 3 else attn_mask
+        return scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], mask, dropout_p, is_causal, scale,
+                                            training=training, causal_alignment=causal_alignment)[:, 0]
+    if not q.dim() == k.dim() == v.dim() == 4:
+        raise ValueError(f"scaled_dot_product_attention takes q, k, v as [batch, heads, seq, head_dim] (or [batch, "
+                         f"seq, head_dim]), got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     mode = causal_mode(is_causal, causal_alignment)
     dropout = dropout_p if training else 0.0
     if attn_mask is None and dropout == 0.0:
