@@ -263,7 +263,7 @@ def _cuda():
 def _training_loop(ns, printed):
     _lines_in(printed, f"Training on: {ns['backend'].BACKEND_NAME}", "Epoch 0: Loss = ", "Epoch 1: Loss = ")
     opt = ns["optimizer"]
-    assert type(opt) is torch.optim.AdamW and opt is not ns["my_optimizer"]
+    assert type(opt) is torch.optim.AdamW and opt is ns["my_optimizer"]  # switched to fused in place
     assert all(g["fused"] for g in opt.param_groups) and opt.param_groups[0]["lr"] == 1e-3
     assert "fused=True" in ns["backend"].last_result.optimizations_applied[-1]
     assert len(opt.state) == len(list(ns["model"].parameters()))  # it stepped the prepared model's parameters
