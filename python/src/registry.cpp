@@ -25,10 +25,11 @@ namespace tensor_ops::python {
 // binding mirrors the variable's value there, with the GIL, before an op reads
 // its arguments and before a selection query: one PyContextVar_Get and a
 // pointer compare per call, the stack rebuilt only when the value changed.
-// A block that ended in another context (the generator case) cannot reset
-// the variable where it was set; its entry is marked inactive instead and the
-// generation bumped, so every thread rebuilds its mirror without it (the
-// thread that entered the block stayed on that backend for good).
+// A block's entry is marked inactive when the block ends and the generation
+// is bumped, so every thread rebuilds its mirror without it: a block that
+// ended in another context (the generator case) cannot reset the variable
+// where it was set (the thread that entered it stayed on that backend for
+// good), and a task created inside the block holds a copy of the entry.
 namespace {
 PyObject* scope_var = nullptr;  // the ContextVar: tuple of entries (.name, .active), innermost last
 std::atomic<uint64_t> scope_generation{0};
@@ -111,8 +112,6 @@ void init_registry(nb::module_& m) {
   m.def("set_backend", [](const std::string& name) { Registry::instance().set_backend(name); });
   m.def("set_external_backends",
         [](const std::vector<std::string>& names) { Registry::instance().set_external_backends(names); });
-  m.def("push_scope", [](const std::string& name) { Registry::instance().push_scope(name); });
-  m.def("pop_scope", [] { Registry::instance().pop_scope(); });
   m.def("load_plugins_from", [](const std::string& dir) { Registry::instance().load_plugins_from(dir); });
   m.def("core_library_dir", &core_library_dir);
   m.def("environment_warnings", &environment_warnings,

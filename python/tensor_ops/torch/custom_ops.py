@@ -645,7 +645,8 @@ _register(attention,
 # NaN but its gradients are 0; ours were NaN, and one AdamW step wrote NaN
 # into every parameter. So where the scale is not finite, exact zeros stay 0
 # (a gradient entry is exactly 0 only on ignored rows, or where torch's is
-# NaN or 0 too); eager CPU checks the scale first (no extra pass when finite).
+# NaN or 0 too). Eager calls look at the scale first (on a device, one sync):
+# a finite one scales as before, in place where the gradient is private.
 def loss_scaled(grad, g, private: bool = False):
     """grad * g (g a scalar or broadcastable tensor of grad's dtype), zeros
     kept 0 where g is not finite (Note [ignored rows at an infinite loss
@@ -654,9 +655,8 @@ def loss_scaled(grad, g, private: bool = False):
         if math.isfinite(g):
             return grad.mul_(g) if private else grad * g
         return torch.where(grad != 0, grad * g, 0.0)
-    # Eager (not traced): the scale is looked at (on a device, one sync), and a finite one scales as
-    # before, in place when private (the fused loss's [V, H] weight gradient: no second copy). Traced,
-    # the select is fused into the product by the compiler.
+    # Traced, the select is fused into the product by the compiler; eager, only an infinite scale takes it
+    # (a private [V, H] weight gradient of the fused loss is scaled in place: no second copy).
     if (type(g) is torch.Tensor and not torch.compiler.is_compiling() and not _dispatch_modes()
             and bool(torch.isfinite(g).all())):
         return grad.mul_(g) if private else grad * g

@@ -5,7 +5,6 @@ hyperparameters and state. Used by Backend.optimize_for_training and the
 seed-guide compat backends."""
 from __future__ import annotations
 
-import inspect
 from typing import Tuple
 
 import torch
@@ -36,13 +35,11 @@ def fuse_optimizer(optimizer: torch.optim.Optimizer) -> Tuple[torch.optim.Optimi
         return optimizer, f"optimizer kept as given ({name}): {why}"
     # The same object, switched to the fused kernel in place (what
     # Adam(..., fused=True) sets up: the groups' flags, the defaults, AMP's
-    # flag, the state reloaded as the fused kernel keeps it): an LR scheduler
-    # or a GradScaler holding this optimizer keeps driving the one that steps
-    # (a new optimizer left a StepLR changing the old one's lr: 1e-6 set, 1e-2 used).
-    # The param_groups list and dicts stay the same objects (code holding one,
-    # a scheduler or a hand-written lr schedule, keeps driving it); the state
-    # is reloaded as the fused kernel keeps it (step counts as float32
-    # tensors on each parameter's device), then the groups are put back.
+    # flag, the state reloaded as the fused kernel keeps it: step counts as
+    # float32 tensors on each parameter's device). Its param_groups list and
+    # dicts are put back after the reload, so an LR scheduler, a GradScaler or
+    # code holding a group keeps driving the optimizer that steps (a new
+    # optimizer left a StepLR changing the old one's lr: 1e-6 set, 1e-2 used).
     groups = optimizer.param_groups
     state = optimizer.state_dict()
     for g in state["param_groups"]:
