@@ -78,7 +78,7 @@ def gelu(x: Array, approximate: Approximate = "none", *, out: Array | None = Non
 # too while the shim is selected (use("xla"), set_backend, TENSOR_OPS_BACKEND).
 from . import _xla_route as _route
 
-for _name in _route.OPS:
+for _name in _route.ROUTED:
     globals()[_name] = _route.routed(_name, globals()[_name])
 del _name
 _route.note_torch()

@@ -121,12 +121,101 @@ def _call(shim, args, kwargs, host: bool):
     return out
 
 
+# Note [ops that autograd would record]
+# The op API records no autograd: tensor_ops.torch does. A torch tensor that
+# requires grad, passed while grad mode is on (a training step calling
+# tensor_ops.rms_norm(h, self.weight)), used to be read as its data: the
+# result had no grad_fn, so the weight got no gradient and, behind a
+# residual add, the loss still backpropagated: training went on without the
+# op's gradient, silently. Such a call now runs tensor_ops.torch.functional's
+# op of the same name (the same kernels, with autograd; for a backward op,
+# a result that refuses to be differentiated, as torch's once_differentiable
+# does); under torch.no_grad, or with nothing that requires grad, nothing
+# changes. out= records nothing, so it is refused there, as torch refuses it.
+ROUTED = (*OPS, "linear")
+
+
+def _grad_on() -> bool:
+    """torch's grad mode (asked only about a tensor that requires grad: torch is imported)."""
+    return sys.modules["torch"].is_grad_enabled()
+
+
+def _records_autograd(values) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.is_grad_enabled():
+        return False
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in values)
+
+
+_FUNCTIONAL: dict = {}  # name -> (functional op, its parameter names, the native op's defaults)
+
+
+def _functional(name: str, native):
+    entry = _FUNCTIONAL.get(name)
+    if entry is None:
+        import importlib
+
+        fn = getattr(importlib.import_module("tensor_ops.torch.functional"), name)
+        params = frozenset(inspect.signature(fn).parameters)
+        defaults = {k: p.default for k, p in inspect.signature(native).parameters.items() if k not in params}
+        entry = _FUNCTIONAL[name] = (fn, params, defaults)
+    return entry
+
+
+def _is_default(value, default) -> bool:
+    if value is None or value is default:
+        return True
+    plain = (bool, int, float, str)
+    return type(value) in plain and type(default) in plain and value == default
+
+
+def _as_torch(a):
+    """A numpy array among torch arguments, as a torch tensor sharing its
+    memory (what the autograd path takes); anything else as it is."""
+    if type(a) is not np.ndarray:
+        return a
+    torch = sys.modules["torch"]
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _differentiable(name: str, native, args, kwargs):
+    """The op `name` through tensor_ops.torch.functional (Note [ops that
+    autograd would record])."""
+    fn, params, extra = _functional(name, native)
+    # layer_norm_backward(bias=False): the same gradients, dbias left out.
+    drop_dbias = name == "layer_norm_backward" and kwargs.get("bias", True) is False
+    for key in extra:
+        value = kwargs.get(key)
+        if key == "bias" and drop_dbias or _is_default(value, extra[key]):
+            continue
+        if key == "inplace":  # the op's own refusal names the logits that require grad
+            return native(*args, **kwargs)
+        grads = [f"{type(a).__name__}{list(a.shape)} {a.dtype}" for a in args + tuple(kwargs.values())
+                 if getattr(a, "requires_grad", False)]
+        shown = f"{type(value).__name__}{list(value.shape)}" if hasattr(value, "shape") else repr(value)
+        raise InvalidArgumentError(
+            f"{name}: {key}={shown} records no autograd, but an argument requires grad ({', '.join(grads)}) "
+            f"with grad mode on; call it under torch.no_grad() (or on .detach()ed tensors) if no gradient is "
+            + ("wanted, or without out= (the result records the gradient)" if key == "out" else
+               f"wanted: tensor_ops.torch's {name} has no {key} option"))
+    if extra and kwargs:
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    if any(type(a) is np.ndarray for a in args) or any(type(v) is np.ndarray for v in kwargs.values()):
+        args, kwargs = tuple(_as_torch(a) for a in args), {k: _as_torch(v) for k, v in kwargs.items()}
+    result = fn(*args, **kwargs)
+    return (result[0], result[1], None) if drop_dbias else result
+
+
 def routed(name: str, native):
     """native op -> the same op, sent to the shim for XLA arrays and, when
-    the shim is selected, for host arrays; anything else runs natively.
-    A numpy-only call costs one type check per array argument on top of the
-    native op: the core reports a shim selection (ExternalBackendSelected)."""
-    shim = OPS[name]
+    the shim is selected, for host arrays; to tensor_ops.torch.functional
+    when autograd would record it (Note [ops that autograd would record]);
+    anything else runs natively. A numpy-only call costs one type check per
+    array argument on top of the native op: the core reports a shim
+    selection (ExternalBackendSelected)."""
+    shim = OPS.get(name)
     plain = _PLAIN
 
     def general(args, kwargs):
@@ -134,8 +223,10 @@ def routed(name: str, native):
             note_torch()
         values = args + tuple(kwargs.values()) if kwargs else args
         for a in values:
-            if type(a) not in plain and is_xla_array(a):
+            if shim is not None and type(a) not in plain and is_xla_array(a):
                 return _call(shim, args, kwargs, host=False)
+        if _records_autograd(values):
+            return _differentiable(name, native, args, kwargs)
         try:
             return native(*args, **kwargs)
         except ExternalBackendSelected:
@@ -185,10 +276,11 @@ def _with_signature(native, general, selected):
         params.append(text)
         if p.default is p.empty or p.default is None:
             checks.append(f"type({p.name}) not in plain")
-            torch_lane.append(f"(type({p.name}) in plain or (type({p.name}) in torch_types and not {p.name}.is_xla))")
+            torch_lane.append(f"(type({p.name}) in plain or (type({p.name}) in torch_types and not {p.name}.is_xla "
+                              f"and not ({p.name}.requires_grad and grad_on())))")
     args = f"({', '.join(pos)}{',' if len(pos) == 1 else ''}), {{{', '.join(repr(n) + ': ' + n for n in kw)}}}"
     call = ", ".join(pos + [f"{n}={n}" for n in kw])
-    factory = ", ".join(["native", "general", "selected", "plain", "torch_types", "ExternalBackendSelected"] +
+    factory = ", ".join(["native", "general", "selected", "plain", "torch_types", "ExternalBackendSelected", "grad_on"] +
                         list(defaults))
     src = (f"def _make({factory}):\n"
            f"  def op({', '.join(params)}):\n"
@@ -201,7 +293,8 @@ def _with_signature(native, general, selected):
            f"  return op\n")
     scope = {}
     exec(compile(src, f"<tensor_ops routed {native.__name__}>", "exec"), {}, scope)  # noqa: S102
-    # Host tensors of torch's plain types (not is_xla) go straight to the
-    # native op, without the general path's per-argument XLA check.
-    op = scope["_make"](native, general, selected, _PLAIN, TORCH_TYPES, ExternalBackendSelected, **defaults)
+    # Host tensors of torch's plain types (not is_xla, not requiring grad)
+    # go straight to the native op, without the general path's per-argument
+    # XLA and autograd checks.
+    op = scope["_make"](native, general, selected, _PLAIN, TORCH_TYPES, ExternalBackendSelected, _grad_on, **defaults)
     return functools.wraps(native)(op)

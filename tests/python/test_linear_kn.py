@@ -60,12 +60,14 @@ def test_torch_against_float64_and_out(dtype, bias, rng):
         x = torch.from_numpy(make(rng, (*lead, k), "float32")).to(tdt)
         w = torch.nn.Parameter(torch.from_numpy(make(rng, (k, n), "float32")).to(tdt))  # a Parameter, as in a model
         b = torch.from_numpy(make(rng, (n,), "float32")).to(tdt) if bias else None
-        y = tensor_ops.linear(x, w, b, weight_layout="kn")
-        assert type(y) is torch.Tensor and y.dtype == tdt and y.shape == (*lead, n) and not y.requires_grad
-        assert_kn_close(y, x, w, b, dtype, f"linear kn torch {dtype} x {tuple(x.shape)} w {tuple(w.shape)}")
-        out = torch.empty(*lead, n, dtype=tdt)
-        assert tensor_ops.linear(x, w, b, weight_layout="kn", out=out) is out
-        assert torch.equal(bits_t(out), bits_t(y))
+        with torch.no_grad():  # inference (with grad on, the op records it: Note [ops that autograd would record])
+            y = tensor_ops.linear(x, w, b, weight_layout="kn")
+            assert type(y) is torch.Tensor and y.dtype == tdt and y.shape == (*lead, n) and not y.requires_grad
+            assert_kn_close(y, x, w, b, dtype, f"linear kn torch {dtype} x {tuple(x.shape)} w {tuple(w.shape)}")
+            out = torch.empty(*lead, n, dtype=tdt)
+            assert tensor_ops.linear(x, w, b, weight_layout="kn", out=out) is out
+            assert torch.equal(bits_t(out), bits_t(y))
+        assert tensor_ops.linear(x, w, b, weight_layout="kn").requires_grad
 
 
 def bits_t(t):
@@ -335,8 +337,8 @@ def _gpt2(transformers):
 @needs_torch
 def test_gpt2_prepared_decodes_on_our_kernel(monkeypatch, fp32_kn_ours):
     """GPT-2 at O1 on the CPU backend: c_attn, attn.c_proj and mlp.c_proj
-    become tensor_ops.torch.Conv1D (mlp.c_fc stays the Linear + GELU
-    epilogue, whose few-row GEMM is our kernel too), reported as swapped;
+    become tensor_ops.torch.Conv1D (mlp.c_fc too, which the MLP runs as the
+    Linear + GELU epilogue, whose few-row GEMM is our kernel too), reported as swapped;
     every decode step's four projections per layer on our kernel (at two
     threads of the AVX2 kernels: float32 [K, N] takes torch's addmm on one,
     and on AVX-512); prefill and each
@@ -349,12 +351,13 @@ def test_gpt2_prepared_decodes_on_our_kernel(monkeypatch, fp32_kn_ours):
     model, result = tt.prepare_model(copy.deepcopy(original), "O1", backend="cpu")
     assert result.success
     n_layer = original.config.n_layer
-    assert result.metrics["replacements"]["Conv1D -> tensor_ops.torch.Conv1D"] == 3 * n_layer
-    assert f"Conv1D -> tensor_ops.torch.Conv1D x{3 * n_layer}" in result.optimizations_applied
+    assert result.metrics["replacements"]["Conv1D -> tensor_ops.torch.Conv1D"] == 4 * n_layer
+    assert f"Conv1D -> tensor_ops.torch.Conv1D x{4 * n_layer}" in result.optimizations_applied
     for block in model.transformer.h:
         assert type(block.attn.c_attn) is tt.Conv1D and type(block.attn.c_proj) is tt.Conv1D
         assert type(block.mlp.c_proj) is tt.Conv1D
-        assert type(block.mlp.c_fc).__name__ == "TensorOpsConv1D"  # the fused epilogue keeps it
+        # c_fc too: the fused epilogue is the MLP's (Note [fused at the parent])
+        assert type(block.mlp.c_fc) is tt.Conv1D and type(block.mlp).__name__ == "TensorOpsGPT2MLP"
     assert list(model.state_dict()) == list(original.state_dict())
 
     kn_calls = []

@@ -525,11 +525,21 @@ def test_prepare_model_with_custom_kernels():
     keys = list(model.state_dict())
     w0 = model[0].weight
     model, result = tt.prepare_model_with_custom_kernels(model, backend="cpu")
-    assert isinstance(model[0], tt.FusedLinearGELU) and model[0].approximate == "tanh"
-    assert isinstance(model[2], tt.FusedLinearSiLU) and isinstance(model[1], torch.nn.Identity)
-    # the unfused Linear: prepare_model's few-row (decode) Linear
+    # Note [fused in the Sequential]: the Sequential runs the pairs; its modules stay what they were
+    # (prepare_model's few-row (decode) Linear, our activations)
+    assert type(model) is tt.FusingSequential
+    assert type(model[0]) is tt.Linear and type(model[1]) is tt.GELU and model[1].approximate == "tanh"
     assert type(model[4]) is tt.Linear and model[0].weight is w0 and list(model.state_dict()) == keys
     assert result.metrics["linear_activation_fusions"] == 2
-    assert any("FusedLinearGELU" in s for s in result.optimizations_applied)
+    assert any("FusingSequential" in s for s in result.optimizations_applied)
+    seen = []
+    real = tt.fused_linear.linear_activation
+    tt.fused_linear.linear_activation = lambda *a: seen.append(a[3]) or real(*a)
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        tt.fused_linear.linear_activation = real
+    assert seen == ["gelu_tanh", "silu"]
     with torch.no_grad():
         torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)

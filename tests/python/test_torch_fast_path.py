@@ -128,19 +128,42 @@ def test_backward_bindings_make_torch_outputs(dtype):
     assert dg.shape == du.shape == x.shape and dg.data_ptr() != du.data_ptr()
 
 
-def test_tensors_that_require_grad_read_as_their_data():
-    """The op API records no autograd: a tensor that requires grad (a
-    training step's activations, a module's Parameter) gives the same values
-    as its detached data, with no grad_fn, on the fast lane as before on the
-    general one."""
-    x = torch.randn(4, 32, requires_grad=True)
+def test_ops_that_autograd_would_record_record_it():
+    """Note [ops that autograd would record]: the op API on a torch tensor
+    that requires grad, with grad mode on, records the gradient (it was read
+    as its data: no grad_fn, and behind a residual add the weight's gradient
+    was silently missing); under no_grad it reads the data as before."""
+    x = torch.randn(4, 32, dtype=torch.float64).float().requires_grad_()
     w = torch.nn.Parameter(torch.rand(32) + 0.5)
     y = tensor_ops.rms_norm(x, w)
-    assert not y.requires_grad and y.grad_fn is None
-    torch.testing.assert_close(y, F.rms_norm(x.detach(), (32,), w.detach(), 1e-6))
-    dx, dw = tensor_ops.rms_norm_backward(torch.ones(4, 32), x, w)
-    assert not dx.requires_grad and dw.shape == (32,)
-    torch.testing.assert_close(tensor_ops.swiglu(x, x), F.silu(x.detach()) * x.detach())
+    assert y.grad_fn is not None
+    (x + y).square().sum().backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (xr + F.rms_norm(xr, (32,), wr, 1e-6)).square().sum().backward()
+    torch.testing.assert_close(w.grad, wr.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        y = tensor_ops.rms_norm(x, w)
+        assert not y.requires_grad and y.grad_fn is None
+        torch.testing.assert_close(y, F.rms_norm(x, (32,), w, 1e-6))
+        torch.testing.assert_close(tensor_ops.swiglu(x, x), F.silu(x) * x)
+    # linear and a few ops with options, against torch's gradients
+    wl = torch.randn(5, 32, requires_grad=True)
+    for ours, ref in [(lambda a: tensor_ops.linear(a, wl), lambda a: F.linear(a, wl)),
+                      (lambda a: tensor_ops.gelu(a, "tanh"), lambda a: F.gelu(a, approximate="tanh")),
+                      (lambda a: tensor_ops.softmax(a, dim=0), lambda a: torch.softmax(a, 0)),
+                      (lambda a: tensor_ops.layer_norm(a, w, None, 1e-5), lambda a: F.layer_norm(a, (32,), w, None))]:
+        g1 = torch.autograd.grad(ours(x).sin().sum(), x)[0]
+        g2 = torch.autograd.grad(ref(x).sin().sum(), x)[0]
+        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-5)
+    # out= records nothing: refused, with what requires grad
+    with pytest.raises(tensor_ops.InvalidArgumentError, match=r"out=Tensor\[4, 32\].*Parameter\[32\]"):
+        tensor_ops.rms_norm(x, w, out=torch.empty(4, 32))
+    # a backward op: the gradients, which refuse to be differentiated
+    dx, dw, db = tensor_ops.layer_norm_backward(torch.ones(4, 32), x, w, bias=False)
+    assert db is None and dw.shape == (32,) and dx.requires_grad
+    with pytest.raises(RuntimeError, match="second derivative"):
+        dx.sum().backward()
 
 
 def test_one_table_drives_the_ops():

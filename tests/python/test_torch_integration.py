@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import numpy as np
 
 torch = pytest.importorskip("torch")
 
@@ -352,9 +353,80 @@ def test_torch_func_second_derivatives_raise():
         jacrev(jacrev(lambda a: tt.gelu(a).sum()))(x)
     with pytest.raises(RuntimeError, match="second derivative through this op's backward kernel"):
         grad(lambda a: grad(lambda b: tt.silu(b).sum())(a).sum())(x)
+    # A grad of a vjp (a Hessian-vector product): the vjp's backward runs at the
+    # outer grad's level, which the interpreter stack does not tell from a plain
+    # grad; it gave zeros. Now the backward op's refusal raises. Also through the
+    # op API (tensor_ops.gelu on functorch's tensors: Note [ops that autograd would record]).
+    v = torch.randn(6)
+    for f in (tt.gelu, tensor_ops.gelu, lambda a: tt.rms_norm(a, torch.ones(6))):
+        with pytest.raises(RuntimeError, match="second derivative through this op's backward kernel"):
+            grad(lambda a: torch.func.vjp(f, a)[1](v)[0].sum())(x)
+        with pytest.raises(RuntimeError, match="second derivative through this op's backward kernel"):
+            torch.func.vjp(grad(lambda a: f(a).sum()), x)[1](v)
+    assert rel_err(grad(lambda a: tensor_ops.gelu(a).sum())(x), grad(lambda a: F.gelu(a).sum())(x)) < 1e-5
     assert rel_err(grad(lambda a: tt.silu(a).sum())(x), grad(lambda a: F.silu(a).sum())(x)) < 1e-5
     xs = torch.randn(3, 6)
     assert rel_err(vmap(grad(lambda a: tt.gelu(a).sum()))(xs), vmap(grad(lambda a: F.gelu(a).sum()))(xs)) < 1e-5
+
+
+def test_torch_func_cross_entropy():
+    """Cross-entropy under torch.func: a grad of a vjp raises (dlogits is
+    the forward kernel's, not differentiable: it gave zeros), and per-sample
+    gradients (vmap of grad) are torch's (they raised on a float() of a
+    batched tensor)."""
+    from torch.func import grad, vjp, vmap
+
+    torch.manual_seed(0)
+    x, tgt = torch.randn(3, 5), torch.tensor([1, 2, 3])
+    for f in (lambda t: tt.cross_entropy(t, tgt), lambda t: tensor_ops.cross_entropy(t, tgt)):
+        with pytest.raises(RuntimeError, match="second derivative through this op's backward kernel"):
+            grad(lambda t: vjp(f, t)[1](torch.tensor(1.0))[0].pow(2).sum())(x)
+        assert rel_err(grad(f)(x), grad(lambda t: F.cross_entropy(t, tgt))(x)) < 1e-5
+    per_sample = vmap(grad(lambda t, y: tt.cross_entropy(t[None], y[None])))(x, tgt)
+    want = vmap(grad(lambda t, y: F.cross_entropy(t[None], y[None])))(x, tgt)
+    assert rel_err(per_sample, want) < 1e-5
+
+
+def test_backward_ops_refuse_derivatives_when_used():
+    """A backward op called where autograd records (its input requires grad)
+    gives outputs that raise when differentiated, eager and compiled; a
+    compiled graph whose loss does not use them still trains (the refusal
+    is deferred to run time: zero incoming gradients give zeros)."""
+    from tensor_ops.torch import functional as TF
+
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def g(a):
+        return TF.gelu(a), TF.gelu_backward(torch.ones_like(a), a)
+
+    y, d = g(x)
+    with pytest.raises(RuntimeError, match="gelu_backward's output was differentiated"):
+        d.sum().backward()
+    compiled = torch.compile(g, fullgraph=True, backend="aot_eager")
+    y, d = compiled(x)
+    y.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    F.gelu(xr).sum().backward()
+    assert rel_err(x.grad, xr.grad) < 1e-5
+    y, d = compiled(x)
+    with pytest.raises(RuntimeError, match="gelu_backward's output was differentiated"):
+        (y.sum() + d.sum()).backward()
+
+
+def test_op_api_with_requires_grad_arguments():
+    """Note [ops that autograd would record]: numpy arguments beside a
+    torch tensor that requires grad are read as torch tensors; a Parameter
+    under no_grad / inference_mode records nothing."""
+    x = torch.randn(3, 8, requires_grad=True)
+    y = tensor_ops.rms_norm(x, np.ones(8, np.float32))
+    assert y.grad_fn is not None
+    torch.testing.assert_close(y, F.rms_norm(x, (8,), torch.ones(8), 1e-6))
+    w = torch.nn.Parameter(torch.rand(8) + 0.5)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            assert not tensor_ops.rms_norm(torch.randn(3, 8), w).requires_grad
+    with pytest.raises(tensor_ops.InvalidArgumentError, match=r"out=ndarray\[3, 8\]"):
+        tensor_ops.rms_norm(x, w, out=np.empty((3, 8), np.float32))
 
 
 def test_gradient_penalty_through_a_prepared_model_raises(eager_path):
@@ -1097,10 +1169,13 @@ def test_o3_keeps_complex_buffers():
         tt.prepare_model(Refusing(), "O3", compile_options={"backend": "eager"})
 
 
-def test_custom_kernels_leave_shared_and_hooked_linears_unfused():
-    """prepare_model_with_custom_kernels fused a Linear also called outside
-    its Sequential (its other caller got GELU too: 0.72 off) or watched by a
-    hook (which saw GELU's output); both are left unfused, said in warnings."""
+def test_custom_kernels_follow_shared_hooked_and_wrapped_linears():
+    """Note [fused in the Sequential]: prepare_model_with_custom_kernels
+    fused a Linear also called outside its Sequential (its other caller got
+    GELU too: 0.72 off), or watched by a hook (which saw GELU's output), or
+    wrapped afterwards by an adapter (a LoRA update landed after the GELU).
+    The Sequential now decides per call: each of these computes what the
+    unprepared model computes, gradients included."""
     from tensor_ops.torch import prepare_model_with_custom_kernels
 
     class Shared(nn.Module):
@@ -1112,24 +1187,44 @@ def test_custom_kernels_leave_shared_and_hooked_linears_unfused():
         def forward(self, x):
             return self.mlp(x) + self.proj(x)
 
+    class Adapter(nn.Module):  # what PEFT's LoRA does to a Linear
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+            self.a = nn.Parameter(torch.randn(16, 4) * 0.3)
+            self.b = nn.Parameter(torch.randn(4, 16) * 0.3)
+
+        def forward(self, x):
+            return self.base_layer(x) + (x @ self.a) @ self.b
+
     torch.manual_seed(0)
     x = torch.randn(3, 16)
     ref = Shared()
     got, result = prepare_model_with_custom_kernels(copy.deepcopy(ref), "O1")
-    assert any("registered in 2 places" in w for w in result.warnings), result.warnings
+    assert type(got.mlp).__name__ == "FusingSequential"
     with torch.no_grad():
         assert rel_err(got(x), ref(x)) < 1e-5
     seq = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    got, _ = prepare_model_with_custom_kernels(copy.deepcopy(seq), "O1")
     seen = []
-    seq[0].register_forward_hook(lambda m, i, o: seen.append(o.detach()))
-    got, result = prepare_model_with_custom_kernels(copy.deepcopy(seq), "O1")
-    assert any("a hook" in w for w in result.warnings), result.warnings
+    for m in (seq, got):
+        m[0].register_forward_hook(lambda m, i, o: seen.append(o.detach()))
     with torch.no_grad():
         seq(x)
         got(x)
-    assert rel_err(seen[1], seen[0]) < 1e-5
-    fused, result = prepare_model_with_custom_kernels(nn.Sequential(nn.Linear(16, 16), nn.GELU()), "O1")
-    assert type(fused[0]).__name__ == "FusedLinearGELU"  # the plain case still fuses
+    assert rel_err(seen[1], seen[0]) < 1e-5  # the hook added after prepare sees the Linear's own output
+    seq = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    got, _ = prepare_model_with_custom_kernels(copy.deepcopy(seq), "O1")
+    torch.manual_seed(1)
+    seq[0] = Adapter(seq[0])
+    torch.manual_seed(1)
+    got[0] = Adapter(got[0])
+    want, out = seq(x), got(x)
+    assert rel_err(out, want) < 1e-5
+    want.square().sum().backward()
+    out.square().sum().backward()
+    for p, q in zip(seq.parameters(), got.parameters()):
+        assert rel_err(q.grad, p.grad) < 1e-5
 
 
 def test_prepared_models_script(tmp_path):

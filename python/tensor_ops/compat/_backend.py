@@ -205,7 +205,7 @@ class TensorOpsBackend(BaseBackend):
         return self._prepare(model, optimization_level)
 
     def prepare_model_with_custom_kernels(self, model: nn.Module, optimization_level=None) -> nn.Module:
-        """prepare_model plus Linear + GELU / SiLU fusion (FusedLinearGELU / SiLU)."""
+        """prepare_model plus Linear + GELU / SiLU fusion in nn.Sequentials (FusingSequential)."""
         return self._prepare(model, optimization_level, _custom_kernels)
 
     def _ensure_prepared(self, model: nn.Module) -> nn.Module:

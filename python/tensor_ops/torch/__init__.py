@@ -16,7 +16,8 @@ from .prepare import (
 )
 from .flash_attention import FlashAttention, FlashAttention3, scaled_dot_product_attention
 from .linear_cross_entropy import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
-from .fused_linear import FusedLinearGELU, FusedLinearSiLU, linear_activation, prepare_model_with_custom_kernels
+from .fused_linear import (FusedLinearGELU, FusedLinearSiLU, FusingSequential, linear_activation,
+                           prepare_model_with_custom_kernels)
 from tensor_ops import BackendUnavailableError, DeviceInfo
 
 
@@ -38,6 +39,6 @@ __all__ = [
     "GELU", "Attention", "HFRMSNorm", "LayerNorm", "Linear", "RMSNorm", "SiLU", "SwiGLU",
     "OptimizationLevel", "OptimizationResult", "ValidationResult", "prepare_model", "validate_model",
     "FlashAttention", "FlashAttention3", "scaled_dot_product_attention",
-    "FusedLinearGELU", "FusedLinearSiLU", "linear_activation", "prepare_model_with_custom_kernels",
+    "FusedLinearGELU", "FusedLinearSiLU", "FusingSequential", "linear_activation", "prepare_model_with_custom_kernels",
     "FusedLinearCrossEntropyLoss", "fused_linear_cross_entropy",
 ]

@@ -31,7 +31,7 @@ import functools
 import inspect
 import math
 import types
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch._C import _functions as _autograd_functions
@@ -49,6 +49,9 @@ FUNCTIONS = {}  # name -> the autograd.Function of a differentiable op
 FUNCTIONS_FUNC = {}  # name -> the same with setup_context, for torch.func transforms
 TRACED = types.SimpleNamespace()  # the custom ops, by name
 DIRECT = types.SimpleNamespace()  # the kernels as plain functions, by name
+# the FUNCTIONS_FUNC, by name: what a backward calls under torch.func, so an
+# outer level records it (Note [backward ops refuse to be differentiated])
+FUNC = types.SimpleNamespace()
 
 
 def _softmax_options(x, dim, scale, causal, log=False):
@@ -242,8 +245,6 @@ def first_order(backward):
     input requires grad (Note [first-order gradients])."""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
-        with torch.no_grad():
-            outputs = backward(ctx, *grads)
         if _functorch_stack() is not None:
             # torch.func's grad always differentiates with create_graph, and its tensors cannot be
             # marked (requires_grad_ is refused inside a transform). A backward run inside an
@@ -251,7 +252,13 @@ def first_order(backward):
             # penalty) is being differentiated again: refused here (it gave zeros, silently).
             if _outer_differentiating_levels() >= 1:
                 raise RuntimeError(_SECOND_ORDER.decode() + " (torch.func: a grad of a grad)")
-            return outputs
+            # Recorded, not under no_grad (which would hide it from every level): a vjp's
+            # backward runs at an outer grad's level, which the stack does not tell from a
+            # plain grad; the backward ops' refusal (Note [backward ops refuse to be
+            # differentiated]) raises if that level differentiates them.
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
         if not torch.is_grad_enabled():
             return outputs
         saved = getattr(ctx, "saved_tensors", ())
@@ -287,6 +294,9 @@ def _register(impl, fake, setup_context=None, backward=None):
     OPS[name] = op
     setattr(TRACED, name, op)
     setattr(DIRECT, name, impl)
+    if backward is None:
+        _register_refusal(name, qualname, kernel, op)
+        return
     if backward is not None:
         traced_backward = first_order(functools.partial(backward, k=TRACED))  # Note [first-order gradients]
         if lowered is None or _make_autograd_impl is None:
@@ -311,11 +321,83 @@ def _register(impl, fake, setup_context=None, backward=None):
         # torch can make its vmap rule (vmap of grad: per-sample gradients).
         FUNCTIONS_FUNC[name] = type(name, (torch.autograd.Function,), {
             "forward": staticmethod(functools.partial(_call, op)), "generate_vmap_rule": True,
-            "setup_context": staticmethod(setup_context), "backward": staticmethod(traced_backward)})
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(first_order(functools.partial(backward, k=FUNC)))})
+        setattr(FUNC, name, FUNCTIONS_FUNC[name].apply)
 
 
 def _call(op, *args):
     return op(*args)
+
+
+# Note [backward ops refuse to be differentiated]
+# The backward ops (rms_norm_backward, ...) have no derivative of their own.
+# Registered without autograd, torch let their outputs through with no
+# grad_fn when an input required grad (its fallback only warns), and
+# torch.func recorded nothing for them: a grad of a vjp (a Hessian-vector
+# product through our backward kernels) came out as zeros, silently. Each
+# now has an autograd whose backward raises (torch's once_differentiable
+# does the same): called where a gradient is recorded, its outputs require
+# grad and differentiating them raises; the forward runs as before.
+#
+# torch.compile traces a joint forward + backward graph, whose backward runs
+# for every output that requires grad whether the loss used it or not (its
+# incoming gradient then 0): there the refusal is an op,
+# second_order_refused, which returns zeros for zero incoming gradients (the
+# chain rule's exact contribution) and raises at run time otherwise.
+def _refusal_message(name):
+    return _SECOND_ORDER.decode() + f" ({name}'s output was differentiated: it has no derivative of its own)"
+
+
+def _refuse(name):
+    def backward(ctx, *grads):
+        if torch.compiler.is_compiling() or any(_is_fake(g) for g in grads):
+            given = [g for g in grads if g is not None]
+            return tuple(None if meta is None else
+                         torch.ops.tensor_ops.second_order_refused(given, meta[0], meta[1], name)
+                         for meta in ctx.tensor_inputs)
+        raise RuntimeError(_refusal_message(name))
+    return backward
+
+
+def _is_fake(t):
+    return isinstance(t, Tensor) and type(t) is not Tensor and "Fake" in type(t).__name__
+
+
+def _input_metas(ctx, inputs, output):
+    ctx.tensor_inputs = [(t.shape, t.dtype) if isinstance(t, Tensor) else None for t in inputs]
+
+
+def second_order_refused(grads: List[Tensor], shape: List[int], dtype: torch.dtype, op: str) -> Tensor:
+    """The gradient of a backward op's input in a compiled graph: zeros
+    when every incoming gradient is 0, else the refusal (Note [backward
+    ops refuse to be differentiated])."""
+    if any(bool(g.any()) for g in grads):
+        raise RuntimeError(_refusal_message(op))
+    return torch.zeros(shape, dtype=dtype, device=grads[0].device if grads else None)
+
+
+_LIB.define("second_order_refused(Tensor[] grads, SymInt[] shape, ScalarType dtype, str op) -> Tensor")
+_LIB.impl("second_order_refused", second_order_refused, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "tensor_ops::second_order_refused",
+    lambda grads, shape, dtype, op: torch.empty(shape, dtype=dtype, device=grads[0].device if grads else None),
+    lib=_LIB)
+
+
+def _register_refusal(name, qualname, kernel, op):
+    refuse = _refuse(name)
+    torch.library.register_autograd(qualname, refuse, setup_context=_input_metas, lib=_LIB)
+    def forward(ctx, *args):
+        _input_metas(ctx, args, None)
+        return kernel(*args)
+
+    FUNCTIONS[name] = type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(refuse)})
+    FUNCTIONS_FUNC[name] = type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(functools.partial(_call, op)), "generate_vmap_rule": True,
+        "setup_context": staticmethod(_input_metas), "backward": staticmethod(refuse)})
+    setattr(FUNC, name, FUNCTIONS_FUNC[name].apply)
 
 
 def _c(t):
@@ -658,7 +740,7 @@ def loss_scaled(grad, g, private: bool = False):
     # Traced, the select is fused into the product by the compiler; eager, only an infinite scale takes it
     # (a private [V, H] weight gradient of the fused loss is scaled in place: no second copy).
     if (type(g) is torch.Tensor and not torch.compiler.is_compiling() and not _dispatch_modes()
-            and bool(torch.isfinite(g).all())):
+            and _functorch_stack() is None and bool(torch.isfinite(g).all())):  # vmap: no bool()
         return grad.mul_(g) if private else grad * g
     return torch.where(grad != 0, grad * g, 0.0)
 
@@ -670,7 +752,7 @@ def _scaled(dlogits, dloss, reduction, private):
     (made by this backward, seen by no caller) is scaled in place: either
     way no second [N, C] buffer and no extra pass over it."""
     if (type(dloss) is torch.Tensor and reduction != "none" and dloss.device.type == "cpu" and dloss.numel() == 1
-            and not torch.compiler.is_compiling()):
+            and not torch.compiler.is_compiling() and _functorch_stack() is None):  # vmap: no float()
         g = float(dloss)
         if g == 1.0:
             return dlogits
@@ -728,7 +810,23 @@ def _ce_setup(ctx, inputs, output):
 def _ce_bwd(ctx, dloss, k):
     logits, target = ctx.saved_tensors
     _, dlogits = k.cross_entropy_with_grad(logits, target, *ctx.options)
+    if k is FUNC:  # torch.func: dlogits is not differentiable; an outer level differentiating it raises
+        dlogits = _NoDerivative.apply(dlogits, logits)
     return _scaled(dlogits, dloss, ctx.options[1], private=True), *_CE_NONES
+
+
+class _NoDerivative(torch.autograd.Function):
+    """value, recorded as depending on anchor: differentiating it raises
+    (Note [backward ops refuse to be differentiated]): cross-entropy's
+    dlogits under torch.func, where a grad of a vjp gave zeros."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(value, anchor):
+        return value.clone()
+
+    setup_context = staticmethod(_input_metas)
+    backward = staticmethod(_refuse("cross_entropy's gradient"))
 
 
 _register(cross_entropy,

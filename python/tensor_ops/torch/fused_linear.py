@@ -24,6 +24,7 @@ import tensor_ops as _to
 
 from . import functional as ops
 from .custom_ops import first_order
+from .modules import Linear as _ModulesLinear
 from .modules import _KERNEL_DTYPES, _log_torch_dtype, _widened_gemm, half_mm, linear_max_rows, linear_rows, widens
 
 _log = logging.getLogger("tensor_ops")
@@ -147,17 +148,19 @@ class FusedLinearSiLU(nn.Linear):
         return linear_activation(x, self.weight, self.bias, "silu")
 
 
-def _fuse(linear: nn.Linear, act: nn.Module):
-    """linear turned, in place (a class swap: same object, same Parameters),
-    into the fused module for act; None when act is not GELU / SiLU."""
+def _pair_kind(lin: nn.Module, act: nn.Module):
+    """The activation of a Linear -> activation pair we run as one epilogue
+    ("gelu", "gelu_tanh", "silu"), or None: lin a plain Linear (torch's or
+    ours), act nn.GELU / nn.SiLU (or ours), neither hooked."""
+    if type(lin) is not nn.Linear and type(lin) is not _ModulesLinear:
+        return None
     if isinstance(act, nn.GELU):
-        linear.__class__ = FusedLinearGELU
-        linear.approximate = act.approximate
-        return linear
-    if isinstance(act, nn.SiLU):
-        linear.__class__ = FusedLinearSiLU
-        return linear
-    return None
+        kind = "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    elif isinstance(act, nn.SiLU):
+        kind = "silu"
+    else:
+        return None
+    return None if _hooked(lin) or _hooked(act) else kind
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -165,51 +168,71 @@ def _hooked(m: nn.Module) -> bool:
                                                    "_backward_pre_hooks", "_forward_hooks_with_kwargs"))
 
 
-def _fuse_sequentials(m: nn.Module, counts: collections.Counter, warnings: list, uses: collections.Counter,
-                      path: str = "") -> None:
-    """Fuses Linear -> activation pairs in the Sequentials under m. Not a
-    Linear registered in more than one place (its other callers would get
-    the activation too) or with hooks (they would see the activation's
-    output, or the activation's hooks would no longer fire): said in warnings."""
-    for name, child in m.named_children():
-        _fuse_sequentials(child, counts, warnings, uses, f"{path}.{name}" if path else name)
-    if not isinstance(m, nn.Sequential):
+# Note [fused in the Sequential]: prepare_model_with_custom_kernels makes an
+# nn.Sequential with Linear -> GELU / SiLU pairs a FusingSequential (a class
+# swap: the same children, Parameters and state_dict), whose forward runs
+# each pair as one Linear + activation epilogue while the Linear is plain
+# and neither module has hooks, and the two modules otherwise. The Linear
+# used to become FusedLinearGELU itself (the activation's slot nn.Identity):
+# a LoRA adapter wrapping it afterwards added its update after the GELU, a
+# hook added later saw GELU's output, and a Linear also called elsewhere got
+# GELU there too. Here each call decides.
+class FusingSequential(nn.Sequential):
+    """nn.Sequential whose Linear -> GELU / SiLU pairs run as one Linear +
+    activation epilogue (Note [fused in the Sequential])."""
+
+    def forward(self, input):
+        if torch.jit.is_scripting():  # Note [scripted modules] (modules.py)
+            for module in self:
+                input = module(input)
+            return input
+        return self._kernel_forward(input)
+
+    @torch.jit.unused
+    def _kernel_forward(self, x):
+        mods = list(self._modules.values())
+        i, n = 0, len(mods)
+        while i < n:
+            m = mods[i]
+            kind = _pair_kind(m, mods[i + 1]) if i + 1 < n else None
+            if kind is not None:
+                x = linear_activation(x, m.weight, m.bias, kind)
+                i += 2
+            else:
+                x = m(x)
+                i += 1
+        return x
+
+
+def _fuse_sequentials(m: nn.Module, counts: collections.Counter) -> None:
+    """Every plain nn.Sequential under m with a Linear -> GELU / SiLU pair
+    becomes a FusingSequential, in place."""
+    for child in m.children():
+        _fuse_sequentials(child, counts)
+    if type(m) is not nn.Sequential:
         return
-    names = list(m._modules)
-    for a, b in zip(names, names[1:]):
-        lin, act = m._modules[a], m._modules[b]
-        if type(lin) is nn.Linear and isinstance(act, (nn.GELU, nn.SiLU)):
-            where = f"{path}.{a}" if path else a
-            if uses[id(lin)] > 1:
-                warnings.append(f"{where} (Linear) left unfused with its {type(act).__name__}: the same Linear is "
-                                f"registered in {uses[id(lin)]} places, whose other callers would get the activation")
-                continue
-            if _hooked(lin) or _hooked(act):
-                warnings.append(f"{where} (Linear) left unfused with its {type(act).__name__}: a hook on one of "
-                                f"them would see the fused output or no longer fire")
-                continue
-            fused = _fuse(lin, act)
-            if fused is not None:
-                m._modules[b] = nn.Identity()
-                counts[f"Linear + {type(act).__name__} -> tensor_ops.torch.{type(fused).__name__}"] += 1
+    mods = list(m._modules.values())
+    pairs = [f"Linear + {type(b).__name__}" for a, b in zip(mods, mods[1:]) if _pair_kind(a, b)]
+    if pairs:
+        m.__class__ = FusingSequential
+        for what in pairs:
+            counts[f"{what} -> one epilogue (tensor_ops.torch.FusingSequential)"] += 1
 
 
 def prepare_model_with_custom_kernels(model: nn.Module, level="O1", **prepare_options) -> Tuple[nn.Module, object]:
-    """Fuses every nn.Linear directly followed by nn.GELU / nn.SiLU in an
-    nn.Sequential into FusedLinearGELU / FusedLinearSiLU (the same Parameter
-    objects; the activation's slot becomes nn.Identity, so state_dict keys do
-    not change), then prepare_model(model, level, ...) for the other swaps.
+    """Makes every nn.Sequential with an nn.Linear directly followed by
+    nn.GELU / nn.SiLU a FusingSequential, which runs each such pair as one
+    Linear + activation epilogue (the same modules, Parameters and state_dict
+    keys: Note [fused in the Sequential]), then prepare_model(model, level,
+    ...) for the other swaps.
     Returns prepare_model's (model, OptimizationResult), the fusions listed
     first in optimizations_applied."""
     from .prepare import prepare_model
 
     counts: collections.Counter = collections.Counter()
-    refused: list = []
-    uses = collections.Counter(id(mod) for _, mod in model.named_modules(remove_duplicate=False))
-    _fuse_sequentials(model, counts, refused, uses)
+    _fuse_sequentials(model, counts)
     model, result = prepare_model(model, level, **prepare_options)
     fused = [f"{what} x{n}" for what, n in sorted(counts.items())]
-    result.warnings[0:0] = refused
     if fused:
         result.warnings = [w for w in result.warnings if not w.startswith("O1: no module")]
     result.optimizations_applied[1:1] = fused  # after device placement
@@ -218,4 +241,5 @@ def prepare_model_with_custom_kernels(model: nn.Module, level="O1", **prepare_op
     return model, result
 
 
-__all__ = ["FusedLinearGELU", "FusedLinearSiLU", "linear_activation", "prepare_model_with_custom_kernels"]
+__all__ = ["FusedLinearGELU", "FusedLinearSiLU", "FusingSequential", "linear_activation",
+           "prepare_model_with_custom_kernels"]

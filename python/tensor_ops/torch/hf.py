@@ -21,7 +21,8 @@ What runs where:
   as it is when its dtype is x's (the usual case), else cast to x's dtype.
 - gated MLPs (LlamaMLP-like; Phi3MLP's fused gate_up_proj) run act(gate) * up
   in one swiglu / geglu kernel; dense + activation pairs (GPT-NeoX, BERT,
-  GPT-2's Conv1D) become one Linear + activation epilogue (fused_linear);
+  GPT-2's Conv1D) run as one Linear + activation epilogue (fused_linear) in
+  their MLP's forward (Note [fused at the parent]);
   standalone activations run our silu / gelu (erf or tanh, as the module's own
   approximation: NewGELU / FastGELU / GELUTanh are the tanh form, GELUActivation
   the erf form).
@@ -76,7 +77,7 @@ except ImportError as e:  # pragma: no cover - exercised without transformers on
 from . import functional as ops
 from . import modules, swap_check
 from .flash_attention import _additive, scaled_dot_product_attention
-from .fused_linear import FusedLinearGELU, FusedLinearSiLU, linear_activation
+from .fused_linear import linear_activation
 from .linear_cross_entropy import fused_linear_cross_entropy as _flce
 
 _log = logging.getLogger("tensor_ops")
@@ -299,44 +300,102 @@ def _swap_gated_mlp(m: nn.Module, path: str, warnings: List[str], counts) -> boo
     return False
 
 
-# HF modules whose forward is linear -> act (-> ...): (class name, linear slot, activation slot).
+# HF modules whose forward is linear -> act -> the rest, in order: (linear
+# slot, activation slot, the slots after it).
 LINEAR_ACTIVATION_PAIRS = {
-    "GPTNeoXMLP": ("dense_h_to_4h", "act"),
-    "BertIntermediate": ("dense", "intermediate_act_fn"),
-    "BertPredictionHeadTransform": ("dense", "transform_act_fn"),
-    "GPT2MLP": ("c_fc", "act"),
+    "GPTNeoXMLP": ("dense_h_to_4h", "act", ("dense_4h_to_h",)),
+    "BertIntermediate": ("dense", "intermediate_act_fn", ()),
+    "BertPredictionHeadTransform": ("dense", "transform_act_fn", ("LayerNorm",)),
+    "GPT2MLP": ("c_fc", "act", ("c_proj", "dropout")),
 }
 
 
+# Note [fused at the parent]: a Linear + activation pair is fused in its
+# parent's forward, which runs linear_activation on the linear's weight only
+# while the linear is a plain Linear / Conv1D (ours or torch's /
+# transformers') and the activation still the one prepared, neither with
+# hooks; otherwise it calls the two modules as HF's forward does. The
+# linear used to become the fused module itself, its activation slot
+# nn.Identity: a PEFT LoRA adapter wrapping it then added its update after
+# the GELU (gelu(xW + b) + BAx for gelu(xW + b + BAx)): a GPT-2 LoRA run's
+# losses drifted from step 1 (4.817 for 4.846) and an adapter trained on the
+# plain model gave logits 0.63 off on a prepared one, silently.
+def _pair_linear_layout(lin: nn.Module) -> Optional[str]:
+    """'nk' for a plain nn.Linear (or ours), 'kn' for a plain Conv1D (or
+    ours), None for anything else (a LoRA wrapper, a quantized linear)."""
+    t = type(lin)
+    if t is nn.Linear or t is modules.Linear:
+        return "nk"
+    if t.__name__ == "Conv1D" and (_hf_class(lin) or t.__module__ == modules.__name__):
+        return "kn"
+    return None
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or getattr(m, "_backward_pre_hooks", None))
+
+
+def _linear_act_rest(self, x: torch.Tensor, slots) -> torch.Tensor:
+    lin, act = getattr(self, slots[0]), getattr(self, slots[1])
+    layout = _pair_linear_layout(lin)
+    if (layout is not None and getattr(act, "_tensor_ops_act", None) == self._tensor_ops_act
+            and not _hooked(lin) and not _hooked(act)):
+        h = linear_activation(x, lin.weight if layout == "nk" else lin.weight.t(), lin.bias, self._tensor_ops_act)
+    else:
+        h = act(lin(x))
+    for name in slots[2]:
+        h = getattr(self, name)(h)
+    return h
+
+
+def _pair_forward(self, hidden_states):
+    return _linear_act_rest(self, hidden_states, LINEAR_ACTIVATION_PAIRS[self._tensor_ops_pair])
+
+
 def _fuse_pair(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
-    slots = LINEAR_ACTIVATION_PAIRS.get(type(m).__name__)
+    name = type(m).__name__
+    if _is_ours(m):
+        return getattr(m, "_tensor_ops_pair", None) is not None
+    slots = LINEAR_ACTIVATION_PAIRS.get(name)
     if slots is None or not _hf_class(m):
         return False
     lin, act = getattr(m, slots[0], None), getattr(m, slots[1], None)
     kind = activation_kind(act)
-    if isinstance(act, nn.Identity) and (isinstance(lin, (FusedLinearGELU, FusedLinearSiLU))
-                                         or getattr(lin, "_tensor_ops_act", None)):
-        return True  # already fused
-    lname = type(lin).__name__
+    layout = None if lin is None else _pair_linear_layout(lin)
+    why = None
     if kind is None:
-        warnings.append(f"{path} ({type(m).__name__}): {slots[0]} + {slots[1]} left unfused: activation "
-                        f"{type(act).__name__} has no tensor_ops kernel")
+        why = f"activation {type(act).__name__} has no tensor_ops kernel"
+    elif layout is None:
+        why = f"{slots[0]} ({type(lin).__name__}) is not nn.Linear or Conv1D"
+    else:  # Note [checked swaps]
+        why = swap_check.names_mismatch(m, frozenset((slots[0], slots[1]) + slots[2]))
+        if why is None:
+            was = [(x, x.training) for x in m.modules()]
+            m.eval()  # GPT-2's dropout: the check compares the arithmetic
+            try:
+                width = lin.in_features if layout == "nk" else lin.weight.shape[0]
+                why = swap_check.same_output(m, lambda mod, x: _linear_act_direct(mod, x, slots, kind), width)
+            finally:
+                for x, t in was:
+                    x.training = t
+    if why:
+        warnings.append(f"{path} ({name}): {slots[0]} + {slots[1]} left unfused: {why}")
         return True
-    if type(lin) is nn.Linear:
-        lin.__class__ = FusedLinearGELU if kind != "silu" else FusedLinearSiLU
-        if kind != "silu":
-            lin.approximate = "tanh" if kind == "gelu_tanh" else "none"
-        counts[f"{type(m).__name__}.{slots[0]} Linear + {type(act).__name__} -> {type(lin).__name__}"] += 1
-    elif lname == "Conv1D" and _hf_class(lin):
-        old = lname
-        lin.__class__ = _subclass(type(lin), _conv1d_activation_forward, "Linear + activation epilogue")
-        lin._tensor_ops_act = kind
-        counts[f"{type(m).__name__}.{slots[0]} {old} + {type(act).__name__} -> {type(lin).__name__}"] += 1
-    else:
-        warnings.append(f"{path} ({type(m).__name__}): {slots[0]} ({lname}) is not nn.Linear or Conv1D: left unfused")
-        return True
-    setattr(m, slots[1], nn.Identity())
+    _swap_activation(act, collections.Counter())  # ours, and what the fused forward checks it is
+    _swap_class(m, _pair_forward, f"{slots[0]} + {kind} epilogue", counts, _tensor_ops_act=kind,
+                _tensor_ops_pair=name)
     return True
+
+
+def _linear_act_direct(m, x, slots, kind):
+    """What _pair_forward computes on the fused path (the check's side)."""
+    lin = getattr(m, slots[0])
+    w = lin.weight if _pair_linear_layout(lin) == "nk" else lin.weight.t()
+    h = linear_activation(x, w, lin.bias, kind)
+    for name in slots[2]:
+        h = getattr(m, name)(h)
+    return h
 
 
 def _swap_activation(m: nn.Module, counts) -> bool:
