@@ -272,7 +272,7 @@ def first_order(backward):
         # empty slice's sum): autograd.grad(..., inputs=params) prunes what
         # does not reach its inputs, so a mark on a fresh leaf never fired
         # there and the second-order terms were silently left out.
-        link = sum(a.reshape(-1)[:0].sum() for a in anchors)
+        link = sum(a.unsqueeze(0)[:0].sum() for a in anchors)  # views: no copy of a strided anchor
         marked = err(*[None if o is None else o.detach() + link.to(o.dtype) for o in outputs])
         marked = marked if isinstance(marked, tuple) else (marked,)
         return marked[0] if single else marked
