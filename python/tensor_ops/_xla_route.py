@@ -1,8 +1,9 @@
-"""Routing of tensor_ops' top-level ops to the XLA shim (tensor_ops.xla):
+"""Routing of tensor_ops' top-level ops: to the XLA shim (tensor_ops.xla):
 XLA arrays always; host arrays (numpy, CPU torch) when the shim is selected:
 by a use() scope, else set_backend(), else TENSOR_OPS_BACKEND (the core's
 selection, which knows the shim's names). Results come back as the caller's
-kind of array."""
+kind of array. And to tensor_ops.torch.functional for a call autograd would
+record, or on torch.func's tensors (Note [ops that autograd would record])."""
 from __future__ import annotations
 
 import functools
@@ -247,10 +248,18 @@ def routed(name: str, native):
                 f"device tensors ({', '.join(arrays)}); move them to one place")
         return _call(shim, args, kwargs, host=True)
 
-    return _with_signature(native, general, selected)
+    def wrapped(args, kwargs):
+        # torch.func's tensors (vmap with no gradient: they do not require grad) have no data the
+        # core can read: a call that raised on them runs the functional op, which torch batches.
+        torch = sys.modules.get("torch")
+        if torch is None or torch._C._functorch.peek_interpreter_stack() is None:
+            raise  # noqa: PLE0704 - the error being handled
+        return _differentiable(name, native, args, kwargs)
+
+    return _with_signature(native, general, selected, wrapped)
 
 
-def _with_signature(native, general, selected):
+def _with_signature(native, general, selected, wrapped):
     """A wrapper with native's own signature (no *args / **kwargs packing on
     the hot path): numpy arrays go straight to native (the core raises
     ExternalBackendSelected when the shim is selected); any other array kind
@@ -280,7 +289,8 @@ def _with_signature(native, general, selected):
                               f"and not ({p.name}.requires_grad and grad_on())))")
     args = f"({', '.join(pos)}{',' if len(pos) == 1 else ''}), {{{', '.join(repr(n) + ': ' + n for n in kw)}}}"
     call = ", ".join(pos + [f"{n}={n}" for n in kw])
-    factory = ", ".join(["native", "general", "selected", "plain", "torch_types", "ExternalBackendSelected", "grad_on"] +
+    factory = ", ".join(["native", "general", "selected", "wrapped", "plain", "torch_types", "ExternalBackendSelected",
+                         "grad_on"] +
                         list(defaults))
     src = (f"def _make({factory}):\n"
            f"  def op({', '.join(params)}):\n"
@@ -290,11 +300,14 @@ def _with_signature(native, general, selected):
            f"      return native({call})\n"
            f"    except ExternalBackendSelected:\n"
            f"      return selected({args})\n"
+           f"    except RuntimeError:\n"
+           f"      return wrapped({args})\n"
            f"  return op\n")
     scope = {}
     exec(compile(src, f"<tensor_ops routed {native.__name__}>", "exec"), {}, scope)  # noqa: S102
     # Host tensors of torch's plain types (not is_xla, not requiring grad)
     # go straight to the native op, without the general path's per-argument
     # XLA and autograd checks.
-    op = scope["_make"](native, general, selected, _PLAIN, TORCH_TYPES, ExternalBackendSelected, _grad_on, **defaults)
+    op = scope["_make"](native, general, selected, wrapped, _PLAIN, TORCH_TYPES, ExternalBackendSelected, _grad_on,
+                        **defaults)
     return functools.wraps(native)(op)

@@ -482,6 +482,10 @@ def test_torch_func_transforms_over_prepared_modules():
         torch.testing.assert_close(run(got), run(ref), rtol=1e-5, atol=1e-6, msg=name)
     xs = torch.randn(5, 3, 16)
     torch.testing.assert_close(vmap(lambda t: tt.softmax(t, -1))(xs), torch.softmax(xs, -1))
+    # the op API too (it raised: functorch's tensors have no data the core reads)
+    torch.testing.assert_close(vmap(tensor_ops.gelu)(xs), F.gelu(xs))
+    torch.testing.assert_close(vmap(lambda t: tensor_ops.rms_norm(t, torch.ones(16)))(xs),
+                               F.rms_norm(xs, (16,), torch.ones(16), 1e-6))
 
 
 def test_fused_linear_activation_under_bf16_autocast():
