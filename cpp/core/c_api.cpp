@@ -4,12 +4,14 @@
 // their arguments for it), so there is one path to test and fuzz.
 #include "tensor_ops/tensor_ops.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <new>
 #include <shared_mutex>
 #include <string>
+#include <vector>
 #include <unordered_set>
 
 #include "tensor_ops/errors.h"
@@ -119,6 +121,14 @@ Device parse_device(const char* text) {
     if (id != 0) throw bad("names a CPU device other than 0");
     return {};
   }
+  // An unknown backend name is refused here, where the embedder made the tensor (it was accepted and
+  // refused at the first op); a known backend that is not usable here is still a valid descriptor.
+  const std::vector<std::string> known = Registry::instance().known_names();
+  if (std::find(known.begin(), known.end(), name) == known.end()) {
+    std::string names;
+    for (const std::string& k : known) names += (names.empty() ? "" : ", ") + k;
+    throw bad("names unknown backend '" + name + "' (valid backends: " + names + ")");
+  }
   return Device{name, int32_t(id)};
 }
 
@@ -196,6 +206,13 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
   for (int i = 0; i < s.n_out; ++i)
     out[i] = i == s.optional_out ? optional_tensor(outputs[i], fn, s.out_names[i])
                                  : &required_tensor(outputs[i], fn, s.out_names[i]);
+  // The causal mode arrives as an int64: checked whole (int() kept the low 32 bits: 2^32 + 1 ran as 1).
+  auto causal = [fn](int64_t v) {
+    if (v < 0 || v > 2)
+      throw InvalidArgument(std::string(fn) + ": causal must be 0 (none), 1 (bottom-right) or 2 (top-left), got " +
+                            std::to_string(v));
+    return int(v);
+  };
   switch (op) {
     case OpId::rms_norm: rms_norm(*in[0], *in[1], *out[0], scalars[0], norm_offset ? scalars[1] : 0.0); break;
     case OpId::silu: silu(*in[0], *out[0]); break;
@@ -208,7 +225,7 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
       layer_norm_backward(*in[0], *in[1], *in[2], *out[0], *out[1], out[2], scalars[0]);
       break;
     case OpId::add_rms_norm: add_rms_norm(*in[0], *in[1], *in[2], *out[0], *out[1], scalars[0]); break;
-    case OpId::softmax: softmax(*in[0], *out[0], scalars[0], int(ints[0]), ints[1] != 0); break;
+    case OpId::softmax: softmax(*in[0], *out[0], scalars[0], causal(ints[0]), ints[1] != 0); break;
     case OpId::softmax_backward: softmax_backward(*in[0], *in[1], *out[0], scalars[0], ints[0] != 0); break;
     case OpId::activation_backward:
       activation_backward(*in[0], *in[1], *out[0], Activation(ints[0]));
@@ -218,10 +235,10 @@ void run_op(int32_t op_id, const to_tensor_h* inputs, int32_t n_inputs, const to
       glu_backward(*in[0], *in[1], *in[2], *out[0], *out[1], Activation(ints[0]));
       break;
     case OpId::rope: rope(*in[0], *in[1], *in[2], *in[3], *out[0], ints[0] != 0, ints[1] != 0); break;
-    case OpId::attention: attention(*in[0], *in[1], *in[2], *out[0], *out[1], int(ints[0]), scalars[0]); break;
+    case OpId::attention: attention(*in[0], *in[1], *in[2], *out[0], *out[1], causal(ints[0]), scalars[0]); break;
     case OpId::attention_backward:
-      attention_backward(*in[0], *in[1], *in[2], *in[3], *in[4], *in[5], *out[0], *out[1], *out[2], int(ints[0]),
-                         scalars[0]);
+      attention_backward(*in[0], *in[1], *in[2], *in[3], *in[4], *in[5], *out[0], *out[1], *out[2],
+                         causal(ints[0]), scalars[0]);
       break;
     case OpId::cross_entropy:
       cross_entropy(*in[0], *in[1], *out[0], out[1], ints[0], scalars[0], ce_options ? scalars[1] : 0.0,

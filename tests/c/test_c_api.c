@@ -204,9 +204,11 @@ static void test_bad_input(void) {
   to_tensor_destroy(te);
 
   /* Devices that do not exist, or whose backend cannot run here. */
-  to_tensor_h tz = make(x, TO_FLOAT32, 2, shape, NULL, "nosuch:0");
-  EXPECT_ERROR(to_silu(tz, tz), TO_ERR_INVALID_ARGUMENT, "unknown backend 'nosuch'");
-  EXPECT_ERROR(to_silu(tx, tz), TO_ERR_INVALID_ARGUMENT, "out is on nosuch:0 but x is on cpu");
+  /* An unknown backend is refused where the tensor is made, not at the first op. */
+  EXPECT_ERROR(to_tensor_create(x, TO_FLOAT32, 2, shape, NULL, "nosuch:0", &t), TO_ERR_INVALID_ARGUMENT,
+               "unknown backend 'nosuch'");
+  to_tensor_h tz = make(x, TO_FLOAT32, 2, shape, NULL, "cuda:0"); /* known, usable or not */
+  EXPECT_ERROR(to_silu(tx, tz), TO_ERR_INVALID_ARGUMENT, "out is on cuda:0 but x is on cpu");
   to_tensor_destroy(tz);
   int32_t n = 0;
   to_backend_count(&n);

@@ -381,7 +381,8 @@ std::vector<Row> all_rows() {
         for (int i = 0; i < c.n_slots(); ++i) c.slot(i).device = d;
       };
     };
-    add("unknown_backend", Outcome::InvalidArgument, all_on({"nosuch", 0}));
+    // the C ABI refuses the name when the tensor is made (its own message)
+    add("unknown_backend", Outcome::InvalidArgument, all_on({"nosuch", 0}), false);
     add("unusable_backend", Outcome::BackendUnavailable, all_on({"mockbroken", 0}));
     add("missing_device", Outcome::InvalidArgument, all_on({"mock", 5}));
     // The mock backend implements silu only.
@@ -563,6 +564,18 @@ TEST_P(BadInput, RightErrorClassAndStatus) {
 
 INSTANTIATE_TEST_SUITE_P(Matrix, BadInput, ::testing::ValuesIn(all_rows()),
                          [](const ::testing::TestParamInfo<Row>& info) { return info.param.name; });
+
+// The C ABI's causal flag is an int64: 2^32 + 1 ran as mode 1 (int() kept the low bits).
+TEST(BadInputCausal, WholeInt64IsChecked) {
+  for (OpId op : {OpId::softmax, OpId::attention, OpId::attention_backward}) {
+    CallSpec c = valid_call(op, 4, 8);
+    ASSERT_FALSE(c.ints.empty());
+    c.ints[0] = (int64_t(1) << 32) + 1;
+    const auto [status, message] = run_c(c);
+    EXPECT_STREQ(to_status_name(status), "TO_ERR_INVALID_ARGUMENT") << message;
+    EXPECT_NE(message.find("got 4294967297"), std::string::npos) << message;
+  }
+}
 
 TEST(BadInputMatrix, CoversEveryOp) {
   ASSERT_EQ(all_ops().size(), size_t(TO_OP_COUNT));

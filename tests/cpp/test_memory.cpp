@@ -271,6 +271,31 @@ TEST(DeviceMemory, OomMessageAndRecovery) {
   host.set_memory_fraction(1.0);
 }
 
+// Under a cap, a large request the pool can serve from a free block inside a
+// partly used segment succeeds (the pre-check counted only whole free
+// segments and refused it); a huge request's message has no undefined cast.
+TEST(DeviceMemory, CapCountsFreeBlocksInUsedSegments) {
+  DeviceMemory& host = DeviceMemory::of(Device{});
+  host.empty_cache();
+  const double total = double(HostResource().mem_info().total);
+  host.set_memory_fraction(double(5 << 20) / total);
+  {
+    auto held = host.allocate(2621440);  // a 4 MiB segment: 1.5 MiB of it free
+    auto more = host.allocate(1310720, 1.0);
+    EXPECT_NE(more.get(), nullptr);
+  }
+  try {
+    host.allocate(~size_t(0), 1.2);
+    FAIL() << "expected OutOfMemory";
+  } catch (const OutOfMemory& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("18446744073709551615 bytes"), std::string::npos) << m;
+    EXPECT_EQ(m.find("memory fraction 0.000)"), std::string::npos) << m;  // the fraction, not 5 characters of it
+  }
+  host.set_memory_fraction(1.0);
+  host.empty_cache();
+}
+
 TEST(DeviceMemory, RetryAfterFreeingTheCache) {
   DeviceMemory& host = DeviceMemory::of(Device{});
   host.empty_cache();

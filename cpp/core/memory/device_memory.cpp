@@ -1,6 +1,8 @@
 #include "tensor_ops/device_memory.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <mutex>
 
@@ -78,15 +80,23 @@ void DeviceMemory::throw_oom(size_t bytes, double margin, const std::string& why
   const PoolStats ps = pool_->stats();
   std::string msg = "out of memory on " + device_.str() + ": tried to allocate " + human(bytes) + " (" +
                     std::to_string(bytes) + " bytes";
-  if (margin > 1.0) msg += ", " + human(uint64_t(double(bytes) * margin)) + " with safety margin " + std::to_string(margin).substr(0, 4);
+  if (margin > 1.0) {
+    const double want = double(bytes) * margin;  // clamped: a cast past 2^64 is undefined
+    msg += ", " + human(want < 1.8e19 ? uint64_t(want) : UINT64_MAX) + " with safety margin " +
+           std::to_string(margin).substr(0, 4);
+  }
   msg += "); device free " + human(info.free) + " of " + human(info.total) + " total; tensor_ops reserved " +
          human(ps.reserved_bytes) + ", allocated " + human(ps.allocated_bytes) + ", cached " +
          human(pool_->cached_bytes());
   if (limit_->limit())
-    msg += ", limit " + human(limit_->limit()) + " (memory fraction " + std::to_string(fraction_).substr(0, 5) + ")";
+  if (limit_->limit()) {
+    char fraction[32];
+    std::snprintf(fraction, sizeof fraction, "%.3g", fraction_);  // 3.55e-05 for a 5 MiB cap, not 0.000
+    msg += ", limit " + human(limit_->limit()) + " (memory fraction " + fraction + ")";
+  }
   msg += ". " + why +
-         " Try tensor_ops.empty_cache(), a smaller batch size, or tensor_ops.set_memory_fraction() with a larger "
-         "fraction.";
+         " Try empty_cache(), a smaller batch size, or set_memory_fraction() with a larger fraction "
+         "(tensor_ops.empty_cache() / tensor_ops.set_memory_fraction() in Python, DeviceMemory's in C++).";
   throw OutOfMemory(msg);
 }
 
@@ -96,7 +106,12 @@ std::shared_ptr<void> DeviceMemory::allocate(size_t bytes, double safety_margin)
   if (bytes == 0) return std::shared_ptr<void>(nullptr, [](void*) {});
   if (bytes >= kCheckedRequest) {
     const MemInfo info = raw_->mem_info();
-    const uint64_t cached = pool_->cached_bytes();
+    // Every free byte the pool holds, whole free segments and free blocks in
+    // partly used ones alike (cached_bytes() counted only the former, so a
+    // request the pool could serve from a free block was refused under a
+    // cap); what cannot fit after all fails below, with the same message.
+    const PoolStats ps = pool_->stats();
+    const uint64_t cached = ps.reserved_bytes - std::min(ps.allocated_bytes, ps.reserved_bytes);
     double available = double(info.free) + double(cached);
     if (limit_->limit()) {
       const double headroom = double(limit_->limit()) - double(limit_->used()) + double(cached);
