@@ -3,7 +3,6 @@ TypeError naming the argument and what it got, never silently converted
 (float('2'), int(1.5), bool('False'))."""
 from __future__ import annotations
 
-import math
 import numbers
 import operator
 
@@ -17,7 +16,7 @@ def real(name: str, value, *, nonneg: bool = False) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     v = float(value)
-    if not math.isfinite(v):
+    if not v - v == 0.0:  # not finite (inf - inf and NaN are NaN); math.isfinite breaks a compiled graph
         raise InvalidArgumentError(f"{name} must be finite, got {v}")
     if nonneg and v < 0:
         raise InvalidArgumentError(f"{name} must be >= 0, got {v}")

@@ -303,6 +303,16 @@ def test_module_liger_conventions(rng):
     _close(h.grad, want[1], "grad_hidden")
 
 
+def test_torch_compile_fullgraph_dynamic(rng):
+    """fullgraph with dynamic shapes: the option checks' math.isfinite broke the graph."""
+    torch._dynamo.reset()
+    hidden, weight, target, _ = _data(rng, n=26)
+    h, w, t = torch.tensor(hidden).requires_grad_(), torch.tensor(weight), torch.as_tensor(target)
+    f = torch.compile(lambda a, b, c: tt.fused_linear_cross_entropy(a, b, c, label_smoothing=0.1),
+                      fullgraph=True, dynamic=True, backend="aot_eager")
+    _close(f(h, w, t).detach(), tt.fused_linear_cross_entropy(h, w, t, label_smoothing=0.1).detach(), "loss")
+
+
 def test_torch_compile_fullgraph(rng):
     torch._dynamo.reset()
     hidden, weight, target, _ = _data(rng, n=26)

@@ -81,3 +81,16 @@ def test_other_optimizers_are_kept_with_the_reason():
 def test_without_an_optimizer_the_shape_is_unchanged():
     model, result = BackendFactory.create("cpu").optimize_for_training(_model(), "O1")
     assert model.training and result.success
+
+
+def test_module_level_optimize_for_training():
+    """tensor_ops.torch.optimize_for_training(model, optimizer): the current
+    backend's, as users reach for it (it existed only as a Backend method)."""
+    import tensor_ops.torch as tt
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    got, same, result = tt.optimize_for_training(model, opt)
+    assert got is model and same is opt and opt.defaults.get("fused") and result.success
+    got, result = tt.optimize_for_training(model)
+    assert result.success

@@ -4,7 +4,9 @@ modules, prepare_model / validate_model, and the backend factory API.
 
 Imported on demand only: `import tensor_ops` does not import torch."""
 from .custom_ops import FUNCTIONS, OPS
-from .factory import Backend, BackendFactory, BackendType, detect_best_backend, get_backend, list_available_backends
+from .factory import (
+    Backend, BackendFactory, BackendType, detect_best_backend, get_backend, list_available_backends, optimize_for_training,
+)
 from .functional import (
     add_rms_norm, attention, attention_backward, cross_entropy, cross_entropy_with_grad, geglu, geglu_backward,
     gelu, gelu_backward, layer_norm, layer_norm_backward, linear, log_softmax, log_softmax_backward, rms_norm,
@@ -31,7 +33,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "OPS", "FUNCTIONS", "Backend", "BackendFactory", "BackendType", "detect_best_backend", "get_backend",
-    "list_available_backends", "DeviceInfo", "BackendUnavailableError",
+    "list_available_backends", "optimize_for_training", "DeviceInfo", "BackendUnavailableError",
     "add_rms_norm", "attention", "attention_backward", "cross_entropy", "cross_entropy_with_grad", "geglu",
     "geglu_backward", "gelu", "gelu_backward", "layer_norm", "layer_norm_backward", "linear", "log_softmax",
     "log_softmax_backward", "rms_norm", "rms_norm_backward", "rope", "rope_backward", "silu", "silu_backward",

@@ -245,6 +245,12 @@ def first_order(backward):
     input requires grad (Note [first-order gradients])."""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
+        if torch.compiler.is_compiling():
+            # Traced by dynamo (an autograd.Function inside a compiled region: the Linear +
+            # activation epilogue): the functorch checks below cannot be traced, and a compiled
+            # graph takes no second derivative of it anyway.
+            with torch.no_grad():
+                return backward(ctx, *grads)
         if _functorch_stack() is not None:
             # torch.func's grad always differentiates with create_graph, and its tensors cannot be
             # marked (requires_grad_ is refused inside a transform). A backward run inside an

@@ -250,6 +250,13 @@ def get_backend(backend: Union[str, BackendType, None] = None, device_id: int = 
     return BackendFactory.create(tensor_ops.get_backend() if backend is None else backend, device_id)
 
 
+def optimize_for_training(model: torch.nn.Module, optimizer=None, level="O1", backend=None, **kwargs):
+    """Backend.optimize_for_training on the current (or the named) backend:
+    (model, result), or (model, optimizer, result) given an optimizer (a
+    default Adam / AdamW switched in place to torch's fused kernel)."""
+    return get_backend(backend).optimize_for_training(model, level, optimizer, **kwargs)
+
+
 def detect_best_backend() -> BackendType:
     """The registry's automatic choice: the best usable backend."""
     return BackendType.from_string(_resolve(BackendType.AUTO))

@@ -31,7 +31,9 @@ _log = logging.getLogger("tensor_ops")
 
 
 def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
-    if x2.shape[0] <= linear_max_rows(x2.dtype):
+    # Traced, linear_rows takes nothing: no row-count test there (it put a guard on the sequence
+    # length into compiled and exported graphs: torch.export with a dynamic length from 2 refused).
+    if not torch.compiler.is_compiling() and x2.shape[0] <= linear_max_rows(x2.dtype):
         # A few rows (decode): our linear kernel where it applies (linear_rows:
         # no gradient to record, plain CPU tensors), on the weight as stored:
         # a Conv1D's [in, out] weight arrives as its transposed view.
