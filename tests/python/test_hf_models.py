@@ -152,7 +152,7 @@ class _LowRank(nn.Module):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "bert"])
-@pytest.mark.parametrize("order", ["adapter after prepare", "adapter before prepare", "hook"])
+@pytest.mark.parametrize("order", ["adapter after prepare", "adapter before prepare", "hook", "instance forward"])
 def test_fused_pairs_follow_their_linear(family, order):
     """Note [fused at the parent]: a Linear + activation pair's linear
     wrapped by an adapter (LoRA), before or after prepare_model, or with a
@@ -185,6 +185,17 @@ def test_fused_pairs_follow_their_linear(family, order):
             adapt(m)
         for m in [m for m in model.modules() if type(m).__name__.removeprefix("TensorOps") in hf.LINEAR_ACTIVATION_PAIRS]:
             adapt(m)
+    if order == "instance forward":  # what accelerate's offload hooks do: the weights arrive in the call
+        for key, mm in (("ref", ref), ("got", model)):
+            for m in [m for m in mm.modules() if type(m).__name__.removeprefix("TensorOps") in hf.LINEAR_ACTIVATION_PAIRS]:
+                lin = getattr(m, hf.LINEAR_ACTIVATION_PAIRS[type(m).__name__.removeprefix("TensorOps")][0])
+                real = lin.forward
+
+                def loading(x, real=real, key=key):
+                    seen[key].append(x.shape)
+                    return real(x)
+
+                lin.forward = loading
     if order == "hook":
         for key, mm in (("ref", ref), ("got", model)):
             for m in [m for m in mm.modules() if type(m).__name__.removeprefix("TensorOps") in hf.LINEAR_ACTIVATION_PAIRS]:
@@ -202,6 +213,8 @@ def test_fused_pairs_follow_their_linear(family, order):
         assert len(seen["got"]) == len(seen["ref"]) > 0
         for a, b in zip(seen["got"], seen["ref"]):
             assert rel(a, b) < 1e-5
+    if order == "instance forward":
+        assert seen["got"] == seen["ref"] and seen["ref"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

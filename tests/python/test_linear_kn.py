@@ -289,8 +289,8 @@ def test_conv1d_runs_our_kernel_for_a_few_rows_only(dtype, monkeypatch, request)
     assert isinstance(conv, HFConv1D) and tt.Conv1D is modules.Conv1D is modules.conv1d_class()
     assert list(conv.state_dict()) == list(ref.state_dict())
     calls = []
-    real = tensor_ops.linear
-    monkeypatch.setattr(tensor_ops, "linear", lambda x, w, b, **kw: calls.append((x.numel() // x.shape[-1], kw))
+    real = tensor_ops.ops.linear
+    monkeypatch.setattr(tensor_ops.ops, "linear", lambda x, w, b, **kw: calls.append((x.numel() // x.shape[-1], kw))
                         or real(x, w, b, **kw))
     m = modules.linear_max_rows(tdt)  # 16, or 4 for a half dtype torch multiplies natively here
     with torch.no_grad():
@@ -361,8 +361,8 @@ def test_gpt2_prepared_decodes_on_our_kernel(monkeypatch, fp32_kn_ours):
     assert list(model.state_dict()) == list(original.state_dict())
 
     kn_calls = []
-    real = tensor_ops.linear
-    monkeypatch.setattr(tensor_ops, "linear", lambda x, w, b=None, **kw: (kw.get("weight_layout") == "kn"
+    real = tensor_ops.ops.linear
+    monkeypatch.setattr(tensor_ops.ops, "linear", lambda x, w, b=None, **kw: (kw.get("weight_layout") == "kn"
                                                                            and kn_calls.append(x.shape))
                         or real(x, w, b, **kw))
     prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))
@@ -448,13 +448,13 @@ def test_linear_activation_few_rows_on_our_linear(monkeypatch, conv1d_view, fp32
     gradient equal torch's linear + activation."""
     from tensor_ops.torch.fused_linear import linear_activation
     calls = []
-    real = tensor_ops.linear
+    real = tensor_ops.ops.linear
 
     def counting(*a, **k):
         calls.append(k.get("weight_layout", "nk"))
         return real(*a, **k)
 
-    monkeypatch.setattr(tensor_ops, "linear", counting)
+    monkeypatch.setattr(tensor_ops.ops, "linear", counting)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(1, 2, 24, generator=g)
     stored = torch.randn(24, 40, generator=g) if conv1d_view else torch.randn(40, 24, generator=g)

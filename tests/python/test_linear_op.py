@@ -62,7 +62,8 @@ def test_torch_against_float64(dtype, bias, target, rng):
         x = torch.from_numpy(make(rng, (*lead, k), "float32")).to(tdt)
         w = torch.nn.Parameter(torch.from_numpy(make(rng, (n, k), "float32")).to(tdt))  # a Parameter, as in a model
         b = torch.from_numpy(make(rng, (n,), "float32")).to(tdt) if bias else None
-        y = tensor_ops.linear(x, w, b)
+        with torch.no_grad():  # inference (with grad on, the op records it: Note [ops that autograd would record])
+            y = tensor_ops.linear(x, w, b)
         assert type(y) is torch.Tensor and y.dtype == tdt and y.shape == (*lead, n) and not y.requires_grad
         assert_linear_close(y, x, w, b, dtype, f"linear torch {dtype} x {tuple(x.shape)} w {tuple(w.shape)}")
 
@@ -220,8 +221,8 @@ def test_prepared_linear_runs_our_kernel_for_a_few_rows_only(dtype, monkeypatch)
     assert type(model[0]) is tt.Linear and type(model[2]) is tt.Linear
     assert list(model.state_dict()) == list(ref_model.state_dict())
     rows = []
-    real = tensor_ops.linear
-    monkeypatch.setattr(tensor_ops, "linear", lambda x, w, b: rows.append(x.numel() // x.shape[-1]) or real(x, w, b))
+    real = tensor_ops.ops.linear
+    monkeypatch.setattr(tensor_ops.ops, "linear", lambda x, w, b: rows.append(x.numel() // x.shape[-1]) or real(x, w, b))
     m = modules.linear_max_rows(tdt)  # 16, or 4 for a half dtype torch multiplies natively here
     assert m == (modules.LINEAR_MAX_ROWS_NATIVE_HALF if tdt != torch.float32 and not modules.half_gemm_in_fp32(tdt)
                  else modules.LINEAR_MAX_ROWS)

@@ -87,8 +87,7 @@ void DeviceMemory::throw_oom(size_t bytes, double margin, const std::string& why
   }
   msg += "); device free " + human(info.free) + " of " + human(info.total) + " total; tensor_ops reserved " +
          human(ps.reserved_bytes) + ", allocated " + human(ps.allocated_bytes) + ", cached " +
-         human(pool_->cached_bytes());
-  if (limit_->limit())
+         human(pool_->cached_bytes()) + " in free segments";
   if (limit_->limit()) {
     char fraction[32];
     std::snprintf(fraction, sizeof fraction, "%.3g", fraction_);  // 3.55e-05 for a 5 MiB cap, not 0.000

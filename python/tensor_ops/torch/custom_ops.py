@@ -352,17 +352,23 @@ def _call(op, *args):
 # second_order_refused, which returns zeros for zero incoming gradients (the
 # chain rule's exact contribution) and raises at run time otherwise.
 def _refusal_message(name):
-    return _SECOND_ORDER.decode() + f" ({name}'s output was differentiated: it has no derivative of its own)"
+    return (f"tensor_ops: {name}'s output was differentiated, but {name} has no derivative of its own "
+            f"(a second derivative through this op's backward kernel, with create_graph=True or torch.func, "
+            f"is not computed either); run this part of the model on torch's own ops")
 
 
 def _refuse(name):
     def backward(ctx, *grads):
-        if torch.compiler.is_compiling() or any(_is_fake(g) for g in grads):
-            given = [g for g in grads if g is not None]
+        given = [g for g in grads if g is not None]
+        if torch.compiler.is_compiling() or any(_is_fake(g) for g in given):
             return tuple(None if meta is None else
                          torch.ops.tensor_ops.second_order_refused(given, meta[0], meta[1], name)
                          for meta in ctx.tensor_inputs)
-        raise RuntimeError(_refusal_message(name))
+        if _functorch_stack() is not None:  # torch.func (a vmap cannot look at the values)
+            raise RuntimeError(_refusal_message(name))
+        # Eager as compiled: exactly zero incoming gradients contribute zeros (0 * d.sum() in a loss).
+        return tuple(None if meta is None else second_order_refused(given, meta[0], meta[1], name)
+                     for meta in ctx.tensor_inputs)
     return backward
 
 

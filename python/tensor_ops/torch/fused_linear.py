@@ -162,12 +162,16 @@ def _pair_kind(lin: nn.Module, act: nn.Module):
         kind = "silu"
     else:
         return None
-    return None if _hooked(lin) or _hooked(act) else kind
+    return None if hooked(lin) or hooked(act) else kind
 
 
-def _hooked(m: nn.Module) -> bool:
-    return any(getattr(m, name, None) for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                                   "_backward_pre_hooks", "_forward_hooks_with_kwargs"))
+def hooked(m: nn.Module) -> bool:
+    """Whether calling m does more than its class's forward: torch's hooks,
+    or a forward set on the instance (accelerate's offload hooks replace it
+    to load the weights, which sit on the meta device until then)."""
+    return "forward" in m.__dict__ or any(
+        getattr(m, name, None) for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                            "_backward_pre_hooks", "_forward_hooks_with_kwargs"))
 
 
 # Note [fused in the Sequential]: prepare_model_with_custom_kernels makes an

@@ -77,7 +77,7 @@ except ImportError as e:  # pragma: no cover - exercised without transformers on
 from . import functional as ops
 from . import modules, swap_check
 from .flash_attention import _additive, scaled_dot_product_attention
-from .fused_linear import linear_activation
+from .fused_linear import hooked, linear_activation
 from .linear_cross_entropy import fused_linear_cross_entropy as _flce
 
 _log = logging.getLogger("tensor_ops")
@@ -169,11 +169,6 @@ def _gate_up_mlp_forward(self, x):
 # What the plain forms' forwards read (Note [checked swaps]): HF's LlamaMLP and Phi3MLP.
 _GATED_NAMES = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
 _GATE_UP_NAMES = frozenset({"gate_up_proj", "chunk", "activation_fn", "down_proj"})
-
-
-def _conv1d_activation_forward(self, x):  # other dtypes: linear_activation runs torch's
-    # Conv1D keeps weight [in, out]: x @ weight + bias, the same GEMM as Conv1D.forward's addmm.
-    return linear_activation(x, self.weight.t(), self.bias, self._tensor_ops_act)
 
 
 _SUBCLASSES: Dict[tuple, type] = {}
@@ -331,16 +326,11 @@ def _pair_linear_layout(lin: nn.Module) -> Optional[str]:
     return None
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                or getattr(m, "_backward_pre_hooks", None))
-
-
 def _linear_act_rest(self, x: torch.Tensor, slots) -> torch.Tensor:
     lin, act = getattr(self, slots[0]), getattr(self, slots[1])
     layout = _pair_linear_layout(lin)
-    if (layout is not None and getattr(act, "_tensor_ops_act", None) == self._tensor_ops_act
-            and not _hooked(lin) and not _hooked(act)):
+    if (layout is not None and (getattr(act, "_tensor_ops_act", None) or activation_kind(act)) == self._tensor_ops_act
+            and not hooked(lin) and not hooked(act)):
         h = linear_activation(x, lin.weight if layout == "nk" else lin.weight.t(), lin.bias, self._tensor_ops_act)
     else:
         h = act(lin(x))
@@ -382,7 +372,6 @@ def _fuse_pair(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
     if why:
         warnings.append(f"{path} ({name}): {slots[0]} + {slots[1]} left unfused: {why}")
         return True
-    _swap_activation(act, collections.Counter())  # ours, and what the fused forward checks it is
     _swap_class(m, _pair_forward, f"{slots[0]} + {kind} epilogue", counts, _tensor_ops_act=kind,
                 _tensor_ops_pair=name)
     return True
