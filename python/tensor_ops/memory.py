@@ -105,6 +105,22 @@ def _tensor_numpy(self) -> np.ndarray:
 Tensor.numpy = _tensor_numpy
 
 
+def _tensor_array(self, dtype=None, copy=None) -> np.ndarray:
+    """np.asarray(t) / np.array(t): the data as numpy, as t.numpy() gives it
+    (np.asarray made a 0-d object array holding the Tensor, silently)."""
+    if copy is False and self.device != "cpu":
+        raise ValueError(f"a Tensor on {self.device} cannot become a numpy array without a copy (copy=False)")
+    a = self.numpy()
+    if dtype is not None and np.dtype(dtype) != a.dtype:
+        if copy is False:
+            raise ValueError(f"a {self.dtype} Tensor cannot become {np.dtype(dtype)} without a copy (copy=False)")
+        return a.astype(dtype)
+    return a.copy() if copy and self.device == "cpu" else a
+
+
+Tensor.__array__ = _tensor_array
+
+
 @contextlib.contextmanager
 def use_stream(stream: int, device):
     """Within the block, this thread's ops on `device` ("cuda:0", "hip:0")

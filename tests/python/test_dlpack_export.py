@@ -113,3 +113,19 @@ def test_consumed_capsule_keeps_the_data_alive_until_the_consumer_is_done():
 def test_opencl_tensor_names_its_dlpack_device():
     t = tensor_ops.from_numpy(np.ones(2, dtype=np.float32), device="opencl:0")
     assert t.__dlpack_device__() == (4, 0)  # kDLOpenCL
+
+
+def test_numpy_asarray_of_a_tensor():
+    """np.asarray(t) gives the data (it gave a 0-d object array holding the
+    Tensor, silently): a view on the host, a copy with np.array or a dtype."""
+    import numpy as np
+
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = tensor_ops.from_numpy(a)
+    v = np.asarray(t)
+    assert v.dtype == np.float32 and v.shape == (2, 3) and np.array_equal(v, a)
+    assert np.shares_memory(v, t.numpy())
+    c = np.array(t)
+    c[0, 0] = 99
+    assert t.numpy()[0, 0] == 0
+    assert np.asarray(t, dtype=np.float64).dtype == np.float64
