@@ -367,9 +367,50 @@ def call(fn, args: list[Arg], out, *extra):
         for a in args:
             if a is not None:
                 a.contiguous()
-        streams.call(fn, [None if a is None else a.array for a in args], [out_arr], extra, bf16)
+        try:
+            streams.call(fn, [None if a is None else a.array for a in args], [out_arr], extra, bf16)
+        except LayoutError:
+            # A strided out the backend cannot write in place (OpenCL / SYCL stage whole
+            # tensors): written through a contiguous buffer, then copied into out.
+            tmp = _dense_like(out_arr)
+            if tmp is None:
+                raise
+            streams.call(fn, [None if a is None else a.array for a in args], [tmp], extra, bf16)
+            if isinstance(out_arr, np.ndarray):
+                out_arr[...] = tmp
+            else:
+                out_arr.copy_(tmp)
     bump_version(out)
     return out
+
+
+def _dense_like(o):
+    """A contiguous array like the output o (numpy or torch) when o is
+    row-strided (rows in order with gaps between them, each row dense: what
+    the CPU writes in place; a staging backend cannot), else None (a
+    contiguous o, a transposed, overlapping or other layout: refused as before)."""
+    if isinstance(o, np.ndarray):
+        if o.flags.c_contiguous:
+            return None
+        shape, strides = o.shape, tuple(st // o.itemsize for st in o.strides)
+        if any(st * o.itemsize != b for st, b in zip(strides, o.strides)):
+            return None
+        make = lambda: np.empty(o.shape, o.dtype)  # noqa: E731
+    elif is_torch(o):
+        if o.is_contiguous():
+            return None
+        shape, strides = tuple(o.shape), o.stride()
+        make = lambda: o.new_empty(o.shape)  # noqa: E731
+    else:
+        return None
+    if not shape or strides[-1] != 1 and shape[-1] > 1:
+        return None
+    inner = shape[-1]
+    for n, st in zip(reversed(shape[:-1]), reversed(strides[:-1])):
+        if n > 1 and st < inner:  # overlapping or out of order
+            return None
+        inner = st * n if n > 1 else inner
+    return make()
 
 
 # numpy dtypes of the fast lane (_optable.invoke): no bfloat16 view needed.

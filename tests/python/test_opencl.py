@@ -215,6 +215,20 @@ def test_many_rows_and_a_row_slice(rng):
 
 
 @needs_device
+def test_row_strided_out(rng):
+    """out= a row-strided view (every other row): written through a
+    contiguous buffer (staging needs whole tensors; it raised a LayoutError
+    naming neither out nor the strides), the rows between left as they were."""
+    x = make(rng, (5, 33), "float32")
+    w = make(rng, (33,), "float32", 1.0)
+    buf = np.full((10, 33), 7.0, np.float32)
+    with tensor_ops.use("opencl"):
+        assert tensor_ops.rms_norm(x, w, out=buf[::2]) is not None
+    assert_close(buf[::2], ref_rms_norm(x, w, 1e-6), "float32", "strided out")
+    assert (buf[1::2] == 7.0).all()
+
+
+@needs_device
 @pytest.mark.parametrize("group", [2, 64, 256])
 def test_rms_norm_work_group_reduction(group, tmp_path):
     """The reduction over several work-items per row (what a GPU runs; a
