@@ -303,33 +303,32 @@ def _register(impl, fake, setup_context=None, backward=None):
     if backward is None:
         _register_refusal(name, qualname, kernel, op)
         return
-    if backward is not None:
-        traced_backward = first_order(functools.partial(backward, k=TRACED))  # Note [first-order gradients]
-        if lowered is None or _make_autograd_impl is None:
-            torch.library.register_autograd(qualname, traced_backward, setup_context=setup_context, lib=_LIB)
-        else:
-            TORCH_AUTOGRAD[name] = _make_autograd_impl(op, _AutogradInfo(traced_backward, setup_context))
-            _LIB.impl(name, _autograd_kernel(name, lowered, _defaults(impl)), "Autograd", with_keyset=True)
+    traced_backward = first_order(functools.partial(backward, k=TRACED))  # Note [first-order gradients]
+    if lowered is None or _make_autograd_impl is None:
+        torch.library.register_autograd(qualname, traced_backward, setup_context=setup_context, lib=_LIB)
+    else:
+        TORCH_AUTOGRAD[name] = _make_autograd_impl(op, _AutogradInfo(traced_backward, setup_context))
+        _LIB.impl(name, _autograd_kernel(name, lowered, _defaults(impl)), "Autograd", with_keyset=True)
 
-        def forward(ctx, *args):  # ctx-style: ~9 us cheaper per call than a separate setup_context
-            output = kernel(*args)
-            setup_context(ctx, args, output)
-            return output
+    def forward(ctx, *args):  # ctx-style: ~9 us cheaper per call than a separate setup_context
+        output = kernel(*args)
+        setup_context(ctx, args, output)
+        return output
 
-        direct_backward = staticmethod(first_order(functools.partial(backward, k=DIRECT)))
-        FUNCTIONS[name] = type(name, (torch.autograd.Function,), {
-            "forward": staticmethod(forward), "backward": direct_backward})
-        # The same Function with a separate setup_context, which torch.func's
-        # transforms (grad, jacrev, vjp) require: functional takes it only
-        # while one is active (Note [torch.func]).
-        # It runs the custom ops, forward and backward, which functorch
-        # unwraps or batches (the plain kernels cannot read its wrappers), so
-        # torch can make its vmap rule (vmap of grad: per-sample gradients).
-        FUNCTIONS_FUNC[name] = type(name, (torch.autograd.Function,), {
-            "forward": staticmethod(functools.partial(_call, op)), "generate_vmap_rule": True,
-            "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(first_order(functools.partial(backward, k=FUNC)))})
-        setattr(FUNC, name, FUNCTIONS_FUNC[name].apply)
+    direct_backward = staticmethod(first_order(functools.partial(backward, k=DIRECT)))
+    FUNCTIONS[name] = type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": direct_backward})
+    # The same Function with a separate setup_context, which torch.func's
+    # transforms (grad, jacrev, vjp) require: functional takes it only
+    # while one is active (Note [torch.func]).
+    # It runs the custom ops, forward and backward, which functorch
+    # unwraps or batches (the plain kernels cannot read its wrappers), so
+    # torch can make its vmap rule (vmap of grad: per-sample gradients).
+    FUNCTIONS_FUNC[name] = type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(functools.partial(_call, op)), "generate_vmap_rule": True,
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(first_order(functools.partial(backward, k=FUNC)))})
+    setattr(FUNC, name, FUNCTIONS_FUNC[name].apply)
 
 
 def _call(op, *args):
@@ -400,6 +399,7 @@ torch.library.register_fake(
 def _register_refusal(name, qualname, kernel, op):
     refuse = _refuse(name)
     torch.library.register_autograd(qualname, refuse, setup_context=_input_metas, lib=_LIB)
+
     def forward(ctx, *args):
         _input_metas(ctx, args, None)
         return kernel(*args)

@@ -154,7 +154,7 @@ def _pair_kind(lin: nn.Module, act: nn.Module):
     """The activation of a Linear -> activation pair we run as one epilogue
     ("gelu", "gelu_tanh", "silu"), or None: lin a plain Linear (torch's or
     ours), act nn.GELU / nn.SiLU (or ours), neither hooked."""
-    if type(lin) is not nn.Linear and type(lin) is not _ModulesLinear:
+    if plain_linear_layout(lin) != "nk":
         return None
     if isinstance(act, nn.GELU):
         kind = "gelu_tanh" if act.approximate == "tanh" else "gelu"
@@ -163,6 +163,19 @@ def _pair_kind(lin: nn.Module, act: nn.Module):
     else:
         return None
     return None if hooked(lin) or hooked(act) else kind
+
+
+def plain_linear_layout(lin: nn.Module):
+    """'nk' for a plain nn.Linear (or ours), 'kn' for a plain transformers
+    Conv1D (or ours), None for anything else (a LoRA wrapper, a quantized
+    linear): the linears a fused Linear + activation may read the weight of."""
+    t = type(lin)
+    if t is nn.Linear or t is _ModulesLinear:
+        return "nk"
+    if t.__name__ == "Conv1D" and (t.__module__.startswith("transformers.")
+                                   or t.__module__ == _ModulesLinear.__module__):  # ours: modules.conv1d_class()
+        return "kn"
+    return None
 
 
 def hooked(m: nn.Module) -> bool:

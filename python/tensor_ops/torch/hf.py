@@ -77,7 +77,7 @@ except ImportError as e:  # pragma: no cover - exercised without transformers on
 from . import functional as ops
 from . import modules, swap_check
 from .flash_attention import _additive, scaled_dot_product_attention
-from .fused_linear import hooked, linear_activation
+from .fused_linear import hooked, linear_activation, plain_linear_layout
 from .linear_cross_entropy import fused_linear_cross_entropy as _flce
 
 _log = logging.getLogger("tensor_ops")
@@ -315,20 +315,9 @@ LINEAR_ACTIVATION_PAIRS = {
 # the GELU (gelu(xW + b) + BAx for gelu(xW + b + BAx)): a GPT-2 LoRA run's
 # losses drifted from step 1 (4.817 for 4.846) and an adapter trained on the
 # plain model gave logits 0.63 off on a prepared one, silently.
-def _pair_linear_layout(lin: nn.Module) -> Optional[str]:
-    """'nk' for a plain nn.Linear (or ours), 'kn' for a plain Conv1D (or
-    ours), None for anything else (a LoRA wrapper, a quantized linear)."""
-    t = type(lin)
-    if t is nn.Linear or t is modules.Linear:
-        return "nk"
-    if t.__name__ == "Conv1D" and (_hf_class(lin) or t.__module__ == modules.__name__):
-        return "kn"
-    return None
-
-
 def _linear_act_rest(self, x: torch.Tensor, slots) -> torch.Tensor:
     lin, act = getattr(self, slots[0]), getattr(self, slots[1])
-    layout = _pair_linear_layout(lin)
+    layout = plain_linear_layout(lin)
     if (layout is not None and (getattr(act, "_tensor_ops_act", None) or activation_kind(act)) == self._tensor_ops_act
             and not hooked(lin) and not hooked(act)):
         h = linear_activation(x, lin.weight if layout == "nk" else lin.weight.t(), lin.bias, self._tensor_ops_act)
@@ -352,7 +341,7 @@ def _fuse_pair(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
         return False
     lin, act = getattr(m, slots[0], None), getattr(m, slots[1], None)
     kind = activation_kind(act)
-    layout = None if lin is None else _pair_linear_layout(lin)
+    layout = None if lin is None else plain_linear_layout(lin)
     why = None
     if kind is None:
         why = f"activation {type(act).__name__} has no tensor_ops kernel"
@@ -380,7 +369,7 @@ def _fuse_pair(m: nn.Module, path: str, warnings: List[str], counts) -> bool:
 def _linear_act_direct(m, x, slots, kind):
     """What _pair_forward computes on the fused path (the check's side)."""
     lin = getattr(m, slots[0])
-    w = lin.weight if _pair_linear_layout(lin) == "nk" else lin.weight.t()
+    w = lin.weight if plain_linear_layout(lin) == "nk" else lin.weight.t()
     h = linear_activation(x, w, lin.bias, kind)
     for name in slots[2]:
         h = getattr(m, name)(h)
