@@ -462,11 +462,22 @@ def fast_out(x):
 TORCH_TYPES = set()
 
 
+class _NoDualLevel:
+    _current_level = -1
+
+
+# [torch.autograd.forward_ad] once torch is noted: its _current_level is the
+# dual level, -1 outside one (the op routing's torch lane reads it: Note
+# [forward-mode AD])
+FORWARD_AD: list = [_NoDualLevel]
+
+
 def note_torch() -> None:
     """Record torch's plain tensor types (tensor_ops.torch and the op
     routing call this; a no-op until torch is imported)."""
     torch = sys.modules.get("torch")
     if torch is not None and not TORCH_TYPES:
+        FORWARD_AD[0] = torch.autograd.forward_ad
         TORCH_TYPES.update((torch.Tensor, torch.nn.Parameter))
         use_torch_openmp()
 

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from ._arrays import TORCH_TYPES, note_torch
+from ._arrays import FORWARD_AD, TORCH_TYPES, note_torch
 from ._xla_kernels import _jax
 from . import _C
 from .errors import DTypeError, ExternalBackendSelected, InvalidArgumentError, UnsupportedError
@@ -142,10 +142,20 @@ def _grad_on() -> bool:
 
 
 def _records_autograd(values) -> bool:
+    """Would torch's autograd record this call: a tensor that requires grad
+    with grad mode on, or a tangent (Note [forward-mode AD])?"""
     torch = sys.modules.get("torch")
-    if torch is None or not torch.is_grad_enabled():
+    if torch is None:
+        return False
+    if torch.autograd.forward_ad._current_level >= 0:
+        from .torch.forward_ad import has_tangent
+
+        if has_tangent(values):
+            return True
+    if not torch.is_grad_enabled():
         return False
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in values)
+
 
 
 _FUNCTIONAL: dict = {}  # name -> (functional op, its parameter names, the native op's defaults)
@@ -287,10 +297,12 @@ def _with_signature(native, general, selected, wrapped):
             checks.append(f"type({p.name}) not in plain")
             torch_lane.append(f"(type({p.name}) in plain or (type({p.name}) in torch_types and not {p.name}.is_xla "
                               f"and not ({p.name}.requires_grad and grad_on())))")
+    if torch_lane:  # a tangent takes the general path (Note [forward-mode AD])
+        torch_lane.append("fwad[0]._current_level < 0")
     args = f"({', '.join(pos)}{',' if len(pos) == 1 else ''}), {{{', '.join(repr(n) + ': ' + n for n in kw)}}}"
     call = ", ".join(pos + [f"{n}={n}" for n in kw])
     factory = ", ".join(["native", "general", "selected", "wrapped", "plain", "torch_types", "ExternalBackendSelected",
-                         "grad_on"] +
+                         "grad_on", "fwad"] +
                         list(defaults))
     src = (f"def _make({factory}):\n"
            f"  def op({', '.join(params)}):\n"
@@ -309,5 +321,6 @@ def _with_signature(native, general, selected, wrapped):
     # go straight to the native op, without the general path's per-argument
     # XLA and autograd checks.
     op = scope["_make"](native, general, selected, wrapped, _PLAIN, TORCH_TYPES, ExternalBackendSelected, _grad_on,
+                        FORWARD_AD,
                         **defaults)
     return functools.wraps(native)(op)

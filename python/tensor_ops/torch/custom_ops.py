@@ -184,6 +184,7 @@ except ImportError:  # pragma: no cover - another torch: register_autograd
     _AutogradInfo = _make_autograd_impl = None
 
 _grad_enabled = torch._C.is_grad_enabled
+_fwad = torch.autograd.forward_ad
 _any_requires_grad = torch._C._any_requires_grad
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 TORCH_AUTOGRAD = {}  # name -> torch's autograd kernel of the op (what the direct lane hands on)
@@ -194,8 +195,14 @@ def _autograd_kernel(name, lowered, defaults):
     [the autograd key's direct lane]), torch's autograd kernel for the rest."""
 
     def kernel(keyset, *args, **kwargs):
-        if (not kwargs and type(args[0]) is Tensor and not (_grad_enabled() and _any_requires_grad(*args))
-                and not _dispatch_modes()):
+        if _fwad._current_level >= 0:  # Note [forward-mode AD]
+            from . import forward_ad
+
+            full = _filled(args, defaults)
+            if not kwargs and full is not None and forward_ad.has_tangent(full):
+                return forward_ad.reference(name, full)
+        if (lowered is not None and not kwargs and type(args[0]) is Tensor
+                and not (_grad_enabled() and _any_requires_grad(*args)) and not _dispatch_modes()):
             full = _filled(args, defaults)
             y = None if full is None else direct_lane(lowered, full)
             if y is not None:
@@ -286,6 +293,17 @@ def first_order(backward):
     return wrapper
 
 
+def _register_autograd(name, impl, op, backward, setup_context):
+    """What torch.library.register_autograd registers, behind the Autograd
+    kernel's checks (Note [the autograd key's direct lane], Note
+    [forward-mode AD])."""
+    if _make_autograd_impl is None:
+        torch.library.register_autograd(f"tensor_ops::{name}", backward, setup_context=setup_context, lib=_LIB)
+        return
+    TORCH_AUTOGRAD[name] = _make_autograd_impl(op, _AutogradInfo(backward, setup_context))
+    _LIB.impl(name, _autograd_kernel(name, LOWERED.get(name), _defaults(impl)), "Autograd", with_keyset=True)
+
+
 def _register(impl, fake, setup_context=None, backward=None):
     """torch.ops.tensor_ops.<impl name> with its fake kernel and, given a
     backward, its autograd and the matching autograd.Function."""
@@ -301,14 +319,10 @@ def _register(impl, fake, setup_context=None, backward=None):
     setattr(TRACED, name, op)
     setattr(DIRECT, name, impl)
     if backward is None:
-        _register_refusal(name, qualname, kernel, op)
+        _register_refusal(name, impl, kernel, op)
         return
     traced_backward = first_order(functools.partial(backward, k=TRACED))  # Note [first-order gradients]
-    if lowered is None or _make_autograd_impl is None:
-        torch.library.register_autograd(qualname, traced_backward, setup_context=setup_context, lib=_LIB)
-    else:
-        TORCH_AUTOGRAD[name] = _make_autograd_impl(op, _AutogradInfo(traced_backward, setup_context))
-        _LIB.impl(name, _autograd_kernel(name, lowered, _defaults(impl)), "Autograd", with_keyset=True)
+    _register_autograd(name, impl, op, traced_backward, setup_context)
 
     def forward(ctx, *args):  # ctx-style: ~9 us cheaper per call than a separate setup_context
         output = kernel(*args)
@@ -396,9 +410,9 @@ torch.library.register_fake(
     lib=_LIB)
 
 
-def _register_refusal(name, qualname, kernel, op):
+def _register_refusal(name, impl, kernel, op):
     refuse = _refuse(name)
-    torch.library.register_autograd(qualname, refuse, setup_context=_input_metas, lib=_LIB)
+    _register_autograd(name, impl, op, refuse, _input_metas)
 
     def forward(ctx, *args):
         _input_metas(ctx, args, None)

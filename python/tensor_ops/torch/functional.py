@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from . import forward_ad
 from .custom_ops import DIRECT, FUNCTIONS, FUNCTIONS_FUNC, LOWERED, OPS, direct_lane
 
 # Plain tensors in eager mode take the autograd.Function (or, with no
@@ -31,6 +32,18 @@ _tracing_state = torch._C._get_tracing_state  # torch.jit.trace under way: not N
 # common path: the gradient branch, and the direct lane's refusal.
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _VMAP = torch._C._functorch.TransformType.Vmap
+_fwad = torch.autograd.forward_ad  # ._current_level: the dual level, -1 outside one
+
+
+def _transformed(name: str, args, level, grad: bool):
+    """A call under torch.func's transforms (Note [torch.func]): with a jvp
+    among them, torch's ops (Note [forward-mode AD]); a gradient to record
+    outside vmap, the Function with a setup_context; else the custom op."""
+    if forward_ad.jvp_transform():
+        return forward_ad.reference(name, args)
+    if grad and level.key() != _VMAP:
+        return FUNCTIONS_FUNC[name].apply(*args)
+    return OPS[name](*args)
 
 
 def _run(name: str, *args):
@@ -40,6 +53,8 @@ def _run(name: str, *args):
     # (shapes only: the fake kernel) take the custom op.
     if (EAGER_FUNCTIONS and type(args[0]) is _Tensor and not _is_compiling() and not args[0].is_meta
             and _tracing_state() is None):
+        if _fwad._current_level >= 0 and forward_ad.has_tangent(args):  # Note [forward-mode AD]
+            return forward_ad.reference(name, args)
         function = FUNCTIONS.get(name)
         # autograd.Function.apply costs ~10 us even when nothing needs a
         # gradient: only a call that records one takes it.
@@ -48,20 +63,22 @@ def _run(name: str, *args):
                 if isinstance(a, _Tensor) and a.requires_grad:
                     level = _functorch_level()
                     if level is not None:  # Note [torch.func]
-                        return (OPS[name] if level.key() == _VMAP else FUNCTIONS_FUNC[name].apply)(*args)
+                        return _transformed(name, args, level, True)
                     return function.apply(*args)
         lowered = LOWERED.get(name)
         if lowered is not None:
             try:
                 y = direct_lane(lowered, args)
             except RuntimeError:
-                if _functorch_level() is None:
+                level = _functorch_level()
+                if level is None:
                     raise
-                return OPS[name](*args)  # Note [torch.func]
+                return _transformed(name, args, level, False)  # Note [torch.func]
             if y is not None:
                 return y
-        if _functorch_level() is not None:
-            return OPS[name](*args)
+        level = _functorch_level()
+        if level is not None:
+            return _transformed(name, args, level, False)
         return getattr(DIRECT, name)(*args)
     return OPS[name](*args)
 

@@ -1,0 +1,180 @@
+"""Forward-mode AD through tensor_ops (Note [forward-mode AD],
+python/tensor_ops/torch/forward_ad.py): torch.func.jvp / jacfwd and
+torch.autograd.forward_ad's dual tensors give torch's tangents through every
+forward op and every way in (tensor_ops.torch.functional, the op API,
+torch.ops.tensor_ops, the modules). The tangent was dropped without a word
+(forward_ad: the result had none) or torch.func.jvp raised "Cannot access
+data pointer"."""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.autograd.forward_ad as fwAD  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import tensor_ops  # noqa: E402
+import tensor_ops.torch as tt  # noqa: E402
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _attn(q, k, v, causal):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:  # bottom-right aligned (ours): query i sees keys j <= i + Lk - Lq
+        Lq, Lk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq).logical_not(), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    x, w, b = r(3, 16), r(16), r(16)
+    q, k, v = r(1, 4, 5, 8), r(1, 2, 7, 8), r(1, 2, 7, 8)
+    target = torch.tensor([1, 0, 15])
+    lin_w = r(6, 16)
+    # name: (ours(name_space, *tensors), reference in float64, the tensors)
+    return {
+        "rms_norm": (lambda ns, x, w: ns.rms_norm(x, w, eps=1e-6), lambda x, w: _rms(x, w, 1e-6), (x, w)),
+        "layer_norm": (lambda ns, x, w, b: ns.layer_norm(x, w, b, eps=1e-5),
+                       lambda x, w, b: F.layer_norm(x, (16,), w, b, 1e-5), (x, w, b)),
+        "add_rms_norm": (lambda ns, x, res, w: ns.add_rms_norm(x, res, w, eps=1e-6)[0],
+                         lambda x, res, w: _rms(x + res, w, 1e-6), (x, r(3, 16), w)),
+        "silu": (lambda ns, x: ns.silu(x), F.silu, (x,)),
+        "gelu": (lambda ns, x: ns.gelu(x, approximate="tanh"), lambda x: F.gelu(x, approximate="tanh"), (x,)),
+        "swiglu": (lambda ns, a, c: ns.swiglu(a, c), lambda a, c: F.silu(a) * c, (x, r(3, 16))),
+        "geglu": (lambda ns, a, c: ns.geglu(a, c), lambda a, c: F.gelu(a) * c, (x, r(3, 16))),
+        "softmax": (lambda ns, x: ns.softmax(x, -1, scale=0.5), lambda x: torch.softmax(0.5 * x, -1), (x,)),
+        "log_softmax": (lambda ns, x: ns.log_softmax(x, 0), lambda x: torch.log_softmax(x, 0), (x,)),
+        "attention": (lambda ns, q, k, v: ns.attention(q, k, v, causal=True),
+                      lambda q, k, v: _attn(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), True),
+                      (q, k, v)),
+        "cross_entropy": (lambda ns, z: ns.cross_entropy(z, target, label_smoothing=0.1),
+                          lambda z: F.cross_entropy(z, target, label_smoothing=0.1), (x,)),
+        "linear": (lambda ns, x, w: ns.linear(x, w), F.linear, (x, lin_w)),
+    }
+
+
+CASES = _cases()
+WAYS = {"functional": tt.functional, "op API": tensor_ops, "torch.ops": torch.ops.tensor_ops}
+
+
+def _reference_tangent(ref, primals, tangents):
+    return torch.func.jvp(ref, tuple(p.double() for p in primals), tuple(t.double() for t in tangents))
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+@pytest.mark.parametrize("name", list(CASES))
+def test_jvp_and_dual_tensors(name, way):
+    if way == "torch.ops" and name in ("linear",):
+        pytest.skip("torch.ops.tensor_ops has no linear op")
+    ours, ref, primals = CASES[name]
+    ns = WAYS[way]
+    if way == "torch.ops":  # every argument positional, as the schema takes them
+        ns = _PositionalOps()
+    tangents = tuple(torch.randn_like(p) for p in primals)
+    want_y, want_t = _reference_tangent(ref, primals, tangents)
+    y, t = torch.func.jvp(lambda *a: ours(ns, *a), primals, tangents)
+    torch.testing.assert_close(y.double(), want_y, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(t.double(), want_t, rtol=1e-4, atol=1e-5)
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(p, tg) for p, tg in zip(primals, tangents)]
+        got = fwAD.unpack_dual(ours(ns, *duals))
+        assert got.tangent is not None, f"{way} {name}: the tangent was dropped"
+        torch.testing.assert_close(got.primal.double(), want_y, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.tangent.double(), want_t, rtol=1e-4, atol=1e-5)
+        # a tangent on one argument only (the others plain)
+        partial = [duals[0]] + list(primals[1:])
+        one = fwAD.unpack_dual(ours(ns, *partial)).tangent
+    _, want_one = _reference_tangent(ref, primals, (tangents[0],) + tuple(torch.zeros_like(p) for p in primals[1:]))
+    torch.testing.assert_close(one.double(), want_one, rtol=1e-4, atol=1e-5)
+
+
+class _PositionalOps:
+    """torch.ops.tensor_ops.<op> called with the functional's keywords put in
+    schema order (the dispatcher takes them as keywords too, but the Autograd
+    kernel's direct lane wants them positional: both are exercised here)."""
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.tensor_ops, name)
+        fn = getattr(tt.functional, name)
+        import inspect
+
+        sig = inspect.signature(fn)
+
+        def call(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            values = list(bound.arguments.values())
+            if name == "attention":  # (q, k, v, causal, scale, causal_alignment); return_lse is the functional's
+                out = op(*values[:5], values[6])
+                return out[0]
+            if name == "cross_entropy":
+                return op(*values)
+            return op(*values)
+
+        return call
+
+
+def test_rope_tangent_is_rope_of_the_tangent():
+    """RoPE is linear in x: its jvp is the op itself on the tangent (our
+    kernel), through every way in."""
+    torch.manual_seed(0)
+    x, t = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 3, 8)
+    ang = torch.randn(16, 4)
+    cos, sin = ang.cos(), ang.sin()
+    for interleaved in (False, True):
+        f = lambda a: tt.rope(a, cos, sin, interleaved=interleaved)  # noqa: E731
+        y, ty = torch.func.jvp(f, (x,), (t,))
+        torch.testing.assert_close(y, f(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ty, f(t), rtol=1e-5, atol=1e-6)
+        with fwAD.dual_level():
+            got = fwAD.unpack_dual(tensor_ops.rope(fwAD.make_dual(x, t), cos, sin, interleaved=interleaved))
+        torch.testing.assert_close(got.tangent, f(t), rtol=1e-5, atol=1e-6)
+
+
+def test_hessian_and_jacfwd_over_a_prepared_model():
+    """jacfwd (forward mode over vmap) and hessian (jacfwd of jacrev) of a
+    prepared model give torch's answers; jacrev of jacrev (no forward mode)
+    still raises (Note [first-order gradients])."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.LayerNorm(12), torch.nn.GELU(),
+                              torch.nn.Linear(12, 12), torch.nn.SiLU(), torch.nn.RMSNorm(12), torch.nn.Linear(12, 1))
+    got, _ = tt.prepare_model(copy.deepcopy(ref), "O1")
+    x = torch.randn(6)
+
+    def scalar(m):
+        return lambda a: m(a[None]).sum()
+
+    torch.testing.assert_close(torch.func.jacfwd(lambda a: got(a[None]))(x),
+                               torch.func.jacfwd(lambda a: ref(a[None]))(x), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.func.hessian(scalar(got))(x), torch.func.hessian(scalar(ref))(x),
+                               rtol=1e-4, atol=1e-6)
+    with pytest.raises(RuntimeError, match="second derivative through this op's backward kernel"):
+        torch.func.jacrev(torch.func.jacrev(scalar(got)))(x)
+
+
+def test_no_tangent_inside_a_dual_level_runs_our_kernel():
+    """Inside dual_level() a call without tangents is the plain call (the
+    kernel's bits), and a backward op given a tangent refuses."""
+    x = torch.randn(4, 33)
+    w = torch.randn(33)
+    plain = tensor_ops.rms_norm(x, w)
+    with fwAD.dual_level():
+        assert torch.equal(tensor_ops.rms_norm(x, w), plain)
+        assert torch.equal(tt.rms_norm(x, w), plain)
+        dual = fwAD.make_dual(x, torch.randn_like(x))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            tt.silu_backward(torch.ones_like(x), dual)
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            tensor_ops.silu_backward(torch.ones_like(x), dual)
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            tt.cross_entropy_with_grad(dual, torch.zeros(4, dtype=torch.long))
