@@ -178,3 +178,68 @@ def test_no_tangent_inside_a_dual_level_runs_our_kernel():
             tensor_ops.silu_backward(torch.ones_like(x), dual)
         with pytest.raises(NotImplementedError, match="forward-mode AD"):
             tt.cross_entropy_with_grad(dual, torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("prepare", ["prepare_model", "prepare_model_with_custom_kernels"])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_prepared_modules_carry_tangents(prepare, rows):
+    """A prepared model's tangents, with and without grad mode: the decode
+    Linear (our few-row kernel under no_grad) dropped them, and the fused
+    Linear + activation raised under torch.func.jvp (its Function has no
+    separate setup_context)."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.SiLU(),
+                              torch.nn.RMSNorm(16), torch.nn.Linear(16, 4))
+    got, _ = getattr(tt, prepare)(copy.deepcopy(ref), "O2")
+    x, t = torch.randn(rows, 8), torch.randn(rows, 8)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            want = torch.func.jvp(ref, (x,), (t,))[1]
+            torch.testing.assert_close(torch.func.jvp(got, (x,), (t,))[1], want, rtol=1e-4, atol=1e-6)
+            with fwAD.dual_level():
+                tangent = fwAD.unpack_dual(got(fwAD.make_dual(x, t))).tangent
+            assert tangent is not None, f"{prepare}, {rows} rows, grad mode {grad}: the tangent was dropped"
+            torch.testing.assert_close(tangent, want, rtol=1e-4, atol=1e-6)
+
+
+def test_per_sample_gradients_through_fused_linear_activation():
+    """vmap of grad over prepare_model_with_custom_kernels' Linear + GELU
+    (it raised: the ctx-style Function under torch.func)."""
+    import copy
+
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    got, _ = tt.prepare_model_with_custom_kernels(copy.deepcopy(ref), "O1")
+    x = torch.randn(5, 8)
+
+    def per_sample(m):
+        return vmap(grad(lambda p, xi: functional_call(m, p, (xi[None],)).sum()),
+                    in_dims=(None, 0))(dict(m.named_parameters()), x)
+
+    want, have = per_sample(ref), per_sample(got)
+    for k in want:
+        torch.testing.assert_close(have[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_linear_cross_entropy_tangent():
+    """The fused linear cross-entropy's tangent (it was 0 under jvp, None
+    with dual tensors)."""
+    torch.manual_seed(0)
+    h, w, th = torch.randn(6, 16), torch.randn(20, 16), torch.randn(6, 16)
+    target = torch.tensor([0, 3, -100, 19, 5, 5])
+    for reduction in ("mean", "none"):
+        def ref(hh):
+            return F.cross_entropy(hh.double() @ w.double().t(), target, reduction=reduction)
+
+        want = torch.func.jvp(ref, (h,), (th,))[1]
+        got = torch.func.jvp(lambda hh: tt.fused_linear_cross_entropy(hh, w, target, reduction=reduction), (h,),
+                             (th,))[1]
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+        with fwAD.dual_level():
+            dual = fwAD.unpack_dual(tt.fused_linear_cross_entropy(fwAD.make_dual(h, th), w, target,
+                                                                  reduction=reduction)).tangent
+        torch.testing.assert_close(dual.double(), want, rtol=1e-4, atol=1e-6)

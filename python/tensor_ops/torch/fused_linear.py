@@ -46,6 +46,10 @@ def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     return torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
 
 
+_fwad = torch.autograd.forward_ad  # ._current_level: the dual level, -1 outside one
+_functorch_stack = torch._C._functorch.peek_interpreter_stack
+
+
 def _activate_(h: torch.Tensor, act: str) -> torch.Tensor:
     """act(h) written over h."""
     if act == "silu":
@@ -100,6 +104,11 @@ def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias=None, activati
         _log_torch_dtype(FusedLinearGELU if activation != "silu" else FusedLinearSiLU, "F.linear + activation", x.dtype)
         h = F.linear(x, weight, bias)
         return F.silu(h) if activation == "silu" else F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
+    if not torch.compiler.is_compiling() and (_fwad._current_level >= 0 or _functorch_stack() is not None):
+        # torch.func's transforms (the ctx-style Function is refused there) and
+        # tangents (Note [forward-mode AD]): torch's GEMM, the functional activation
+        h = F.linear(x, weight, bias)
+        return ops.silu(h) if activation == "silu" else ops.gelu(h, "tanh" if activation == "gelu_tanh" else "none")
     x2 = x.reshape(-1, x.shape[-1])
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))

@@ -27,6 +27,7 @@ from torch import nn
 
 from tensor_ops import linear_cross_entropy as _lce
 
+from . import forward_ad
 from .custom_ops import loss_scaled
 from .modules import _widened_gemm, half_mm, widens
 
@@ -180,6 +181,13 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, b
     ignore_index, reduction, chunk_size = _lce.check_args(hidden2, weight, target1, bias, ignore_index, reduction,
                                                           chunk_size)
     label_smoothing, z_loss, softcap = _lce.check_ce_options(label_smoothing, z_loss, softcap)
+    if not torch.compiler.is_compiling() and (
+            torch.autograd.forward_ad._current_level >= 0 and forward_ad.has_tangent((hidden, weight, bias))
+            or torch._C._functorch.peek_interpreter_stack() is not None and forward_ad.jvp_transform()):
+        # tangents (Note [forward-mode AD]): the logits in torch's GEMM, cross-entropy in torch's ops
+        loss = forward_ad.reference("cross_entropy", (torch.nn.functional.linear(hidden2, weight, bias), target1,
+                                                      ignore_index, reduction, label_smoothing, z_loss, softcap))
+        return loss.view(target.shape) if reduction == "none" else loss
     # Gradients only when something will take them; "none" computes them in the backward.
     with_grad = reduction != "none" and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))

@@ -212,6 +212,7 @@ _is_compiling = torch.compiler.is_compiling
 _tracing_state = torch._C._get_tracing_state  # torch.jit.trace under way: not None
 _is_grad_enabled = torch.is_grad_enabled
 _is_autocast_enabled = torch.is_autocast_enabled
+_fwad = torch.autograd.forward_ad  # ._current_level: the dual level, -1 outside one
 _cpu_threads = _to._C.cpu_num_threads
 _cpu_isa = _to._C.cpu_active_isa
 
@@ -251,6 +252,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return None
     if _is_autocast_enabled("cpu"):
         return None  # F.linear casts under autocast; we would not
+    if _fwad._current_level >= 0:
+        return None  # tangents (Note [forward-mode AD]): F.linear carries them
     if weight_layout == "kn" and x.dtype == torch.float32 and not fp32_kn_ours():
         # Measured (one row, GPT-2's [768, 3072] / [3072, 768] / [768, 2304]):
         # on one thread torch's addmm takes 0.65-0.92x our kernel's time for
