@@ -1264,3 +1264,33 @@ def test_prepared_models_script(tmp_path):
         with torch.no_grad():
             want = got(x)
             assert rel_err(scripted(x), want) < 1e-5 and rel_err(loaded(x), want) < 1e-5
+
+
+def test_sequential_subclass_with_pairs_is_named_not_fused():
+    """A subclass of nn.Sequential with Linear -> GELU pairs keeps its class
+    and forward (which may not be the chain) and is named in the warnings:
+    nothing skipped silently."""
+    from tensor_ops.torch import prepare_model_with_custom_kernels
+
+    class Gated(nn.Sequential):
+        def forward(self, x):
+            return self[0](x) * torch.sigmoid(self[1](self[0](x)))
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Gated(nn.Linear(8, 8), nn.GELU())
+            self.plain = nn.Sequential(nn.Linear(8, 8), nn.SiLU())
+
+        def forward(self, x):
+            return self.plain(self.block(x))
+
+    torch.manual_seed(0)
+    ref = Outer()
+    got, result = prepare_model_with_custom_kernels(copy.deepcopy(ref), "O1")
+    assert type(got.block) is Gated and type(got.plain).__name__ == "FusingSequential"
+    named = [w for w in result.warnings if "block" in w and "Gated" in w and "Linear + GELU" in w]
+    assert len(named) == 1, result.warnings
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert rel_err(got(x), ref(x)) < 1e-5

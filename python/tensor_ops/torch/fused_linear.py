@@ -232,15 +232,20 @@ class FusingSequential(nn.Sequential):
         return x
 
 
-def _fuse_sequentials(m: nn.Module, counts: collections.Counter) -> None:
+def _fuse_sequentials(m: nn.Module, counts: collections.Counter, skipped: list, path: str = "") -> None:
     """Every plain nn.Sequential under m with a Linear -> GELU / SiLU pair
-    becomes a FusingSequential, in place."""
-    for child in m.children():
-        _fuse_sequentials(child, counts)
-    if type(m) is not nn.Sequential:
+    becomes a FusingSequential, in place; a subclass of nn.Sequential with
+    such pairs is named in `skipped` (its forward may not be the chain)."""
+    for name, child in m.named_children():
+        _fuse_sequentials(child, counts, skipped, f"{path}.{name}" if path else name)
+    if not isinstance(m, nn.Sequential) or isinstance(m, FusingSequential):
         return
     mods = list(m._modules.values())
     pairs = [f"Linear + {type(b).__name__}" for a, b in zip(mods, mods[1:]) if _pair_kind(a, b)]
+    if pairs and type(m) is not nn.Sequential:
+        skipped.append(f"{path or type(m).__name__} ({type(m).__qualname__}, a subclass of nn.Sequential) has "
+                       f"{', '.join(pairs)} but was not fused: its forward may not run its children as a chain")
+        return
     if pairs:
         m.__class__ = FusingSequential
         for what in pairs:
@@ -258,11 +263,13 @@ def prepare_model_with_custom_kernels(model: nn.Module, level="O1", **prepare_op
     from .prepare import prepare_model
 
     counts: collections.Counter = collections.Counter()
-    _fuse_sequentials(model, counts)
+    skipped: list = []
+    _fuse_sequentials(model, counts, skipped)
     model, result = prepare_model(model, level, **prepare_options)
     fused = [f"{what} x{n}" for what, n in sorted(counts.items())]
     if fused:
         result.warnings = [w for w in result.warnings if not w.startswith("O1: no module")]
+    result.warnings.extend(f"prepare_model_with_custom_kernels: {w}" for w in skipped)
     result.optimizations_applied[1:1] = fused  # after device placement
     result.metrics["linear_activation_fusions"] = sum(counts.values())
     _log.debug("prepare_model_with_custom_kernels: %s", fused or "no Linear + GELU/SiLU pair")
