@@ -73,6 +73,15 @@ TABLE: dict[str, OpEntry] = {
 }
 
 _NONES = {1: (None,), 2: (None, None), 3: (None, None, None)}
+_increment_version = None  # torch._C._increment_version, set on the first torch out= (torch may be absent)
+
+
+def _torch_increment_version():
+    global _increment_version
+    import torch
+
+    _increment_version = torch._C._increment_version
+    return _increment_version
 _ndarray = np.ndarray
 _np_empty = np.empty
 
@@ -152,6 +161,58 @@ def torch_call(name: str, arrays: tuple, extra: tuple):
         return None
 
 
+def _same_kind(e: OpEntry, arrays: tuple, kinds, dt) -> bool:
+    """Every array argument of one of `kinds` and of dtype dt (the index
+    argument any dtype; the optional one may be None)."""
+    for i, a in enumerate(arrays):
+        if type(a) not in kinds or (a.dtype != dt and i != e.index):
+            if a is None and i == e.optional:
+                continue
+            return False
+    return True
+
+
+_NP_KIND = (_ndarray,)
+
+
+def _fast_into(e: OpEntry, arrays: tuple, extra: tuple, out):
+    """The fast lane with out= (Note [out= on the fast lane]): out, or None
+    when the call does not qualify or the core refused (the general lane
+    then copies, or words the refusal)."""
+    x = arrays[0]
+    t = type(x)
+    if t is _ndarray:
+        dt = x.dtype
+        if (dt not in FAST_NP or type(out) is not _ndarray or out.dtype != dt or not out.flags.writeable
+                or not _same_kind(e, arrays, _NP_KIND, dt)):
+            return None
+        return _into(e, arrays, (out,), extra)
+    if t not in TORCH_TYPES or type(out) not in TORCH_TYPES:
+        return None
+    dt = x.dtype
+    if out.dtype != dt or out.requires_grad or not out.is_cpu or not _same_kind(e, arrays, TORCH_TYPES, dt):
+        return None
+    try:
+        e.fn(*arrays, out, *extra)
+    except (LayoutError, UnsupportedError, DTypeError):
+        return None
+    (_increment_version or _torch_increment_version())((out,))  # torch's version counter, as bump_version
+    return out
+
+
+# Note [out= on the fast lane]
+# out= took the general lane (Arg conversion, check_out, the stream logic):
+# silu float32[1, 64] with out= cost 6.4 us from numpy and 9.4 us from torch,
+# against 1.9 / 3.4 us without (Xeon, 1 thread; prepared models run their
+# inference activations in place this way). A call whose inputs and out are
+# all numpy arrays (float32 / float16) or host torch tensors of one dtype now
+# calls the binding with out directly: the core checks out's shape and dtype
+# and refuses a partial overlap with an input (Note [row-strided overlap]),
+# and the torch reader refuses a lazy (negative / conjugate) view; any
+# refusal, a read-only numpy out, an out that requires grad and device
+# tensors take the general lane, which copies what it can and words the rest.
+
+
 def invoke(name: str, arrays: tuple, extra: tuple = (), out=None):
     """The op `name` of TABLE on arrays, with the scalars `extra` after the
     outputs (already checked by the caller). Returns the output, or the tuple
@@ -159,6 +220,10 @@ def invoke(name: str, arrays: tuple, extra: tuple = (), out=None):
     e = TABLE[name]
     if out is None:
         y = _fast(e, arrays, extra)
+        if y is not None:
+            return y
+    elif len(e.like) == 1:
+        y = _fast_into(e, arrays, extra, out)
         if y is not None:
             return y
     args = [None if a is None and i == e.optional else Arg(a, e.arrays[i]) for i, a in enumerate(arrays)]

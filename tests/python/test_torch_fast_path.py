@@ -378,3 +378,40 @@ def test_large_general_lane_outputs_come_from_the_pool():
     y = tensor_ops.cross_entropy_with_grad(x.numpy(), t.numpy())[1]
     assert isinstance(y, np.ndarray) and y.dtype == np.float32
     np.testing.assert_allclose(y, dl.numpy(), rtol=0, atol=0)
+
+
+def test_out_takes_the_fast_lane(monkeypatch):
+    """Note [out= on the fast lane] (_optable.py): out= with numpy arrays or
+    host torch tensors of one dtype calls the binding directly (no Arg
+    conversion: it cost 6.4 / 9.4 us per silu [1, 64] against 1.9 / 3.4
+    without out=); the answers, torch's version counter, and the general
+    lane for what the fast one does not take are unchanged."""
+    import numpy as np
+
+    from tensor_ops import _optable
+
+    made = []
+    real_arg = _optable.Arg
+    monkeypatch.setattr(_optable, "Arg", lambda *a, **k: made.append(a[1]) or real_arg(*a, **k))
+    x = np.random.default_rng(0).standard_normal((3, 40)).astype(np.float32)
+    w = np.ones(40, np.float32)
+    o = np.empty_like(x)
+    assert tensor_ops.silu(x, out=o) is o and made == []
+    np.testing.assert_allclose(o, x / (1 + np.exp(-x)), rtol=1e-5, atol=1e-6)
+    tensor_ops.rms_norm(x, w, out=o)
+    tensor_ops.rms_norm(x[:, :20], w[:20], out=o[:, 20:])  # row-strided views: in place on the CPU
+    assert made == []
+    xt, ot = torch.from_numpy(x), torch.empty(3, 40)
+    version = ot._version
+    assert tensor_ops.gelu(xt, out=ot) is ot and made == [] and ot._version > version
+    torch.testing.assert_close(ot, F.gelu(xt), rtol=1e-5, atol=1e-6)
+    tensor_ops.silu(xt, out=xt.clone())
+    assert made == []
+    # the general lane: mixed kinds, a dtype that differs, a transposed out (LayoutError, worded)
+    tensor_ops.silu(x, out=torch.empty(3, 40))
+    assert made == ["x"]
+    with pytest.raises(tensor_ops.errors.LayoutError, match="strides"):
+        tensor_ops.silu(xt, out=torch.empty(40, 3).t())
+    with pytest.raises(tensor_ops.errors.InvalidArgumentError, match="partially overlaps"):
+        b = torch.randn(4, 40)
+        tensor_ops.silu(b[:3], out=b[1:])
