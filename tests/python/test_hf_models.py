@@ -1342,6 +1342,9 @@ def test_model_cast_to_float64_after_prepare_runs(family):
     x = ids()
     with torch.no_grad():
         assert rel(model(x).logits, ref(x).logits) < 1e-6
+        # with labels: HF's loss (our cross-entropy raised DTypeError on the float64 logits)
+        got, want = model(x, labels=x).loss, ref(x, labels=x).loss
+    assert got.dtype == want.dtype and abs(got.item() - want.item()) <= 1e-6 * abs(want.item())
 
 
 @pytest.mark.parametrize("path,cls,offset", [("gemma4", "Gemma4RMSNorm", False), ("gemma", "GemmaRMSNorm", True)])
@@ -1358,3 +1361,28 @@ def test_checked_swaps_on_a_meta_model(path, cls, offset):
     assert got.inner.weight.is_meta
     assert any(("weight offset 1" in a) == offset and cls in a for a in result.optimizations_applied), \
         result.optimizations_applied
+
+
+def test_torch_load_in_a_fresh_process_runs(tmp_path):
+    """torch.save of a whole prepared model, torch.load in a new process that
+    imports nothing of tensor_ops itself: its config names our attention,
+    which was registered only by prepare_model (KeyError: 'tensor_ops' is not
+    a valid attention implementation). Registered on import now, and
+    unpickling the model imports tensor_ops.torch.hf."""
+    import subprocess
+    import sys
+
+    model = prepared(build("llama"))[0]
+    x = ids()
+    with torch.no_grad():
+        want = model(x).logits
+    torch.save(model, tmp_path / "m.pt")
+    torch.save(x, tmp_path / "x.pt")
+    code = (f"import torch\n"
+            f"m = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
+            f"x = torch.load({str(tmp_path / 'x.pt')!r})\n"
+            f"with torch.no_grad():\n"
+            f"    torch.save(m(x).logits, {str(tmp_path / 'y.pt')!r})\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "y.pt"), want)

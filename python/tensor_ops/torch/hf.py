@@ -188,6 +188,7 @@ def _subclass(cls: type, forward: Callable, what: str) -> type:
 
 def _subclass_instance(cls: type, forward: Callable, what: str, *args):
     """An instance of _subclass(cls, forward, what), made as pickle makes one (state set after)."""
+    register_attention()  # a prepared model's config names our attention (registered on import too)
     sub = _subclass(cls, forward, what)
     return sub.__new__(sub, *args)
 
@@ -624,6 +625,12 @@ def register_attention() -> str:
     return ATTENTION
 
 
+# A prepared model's config names "tensor_ops" as its attention: registered
+# on import, so a model torch.load-ed (or pickled into a spawned worker) in a
+# fresh process runs (unpickling it imports this module: _subclass_instance).
+register_attention()
+
+
 def _mark_empty_rows(model: nn.Module, old: str) -> List[nn.Module]:
     """Note [eager's empty rows]: the model's attention modules keep eager's
     rows when `old` (what the model ran before ours) is "eager"; a model
@@ -1048,7 +1055,12 @@ def _causal_lm_forward(original: Callable) -> Callable:
             labels = kwargs.pop("labels", labels)
         shift_labels = kwargs.get("shift_labels")
         form = _loss_form(self)
-        if mode is None or labels is None or form.why:  # as HF: no labels, no loss; HF's own loss form
+        head = self.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        # as HF: no labels, no loss; HF's own loss form; a model cast to a dtype our kernels lack
+        # (float64 after prepare_model): HF's loss in torch's arithmetic, as the prepared modules do
+        if (mode is None or labels is None or form.why
+                or isinstance(weight, torch.Tensor) and weight.dtype not in modules._KERNEL_DTYPES):
             return original(self, *args, labels=labels, **kwargs)
         # return_dict=False: HF's tuple, the loss first; the model's own output is asked
         # for as a ModelOutput so the loss can be set on it.
@@ -1056,7 +1068,6 @@ def _causal_lm_forward(original: Callable) -> Callable:
         ignore_index = kwargs.get("ignore_index", -100)
         num_items = kwargs.get("num_items_in_batch")
         targets = _shift(labels, shift_labels, ignore_index)
-        head = self.get_output_embeddings()
         fused = (mode == "fused_linear_cross_entropy" and self.training and not args and form.fused
                  and getattr(self.config, "final_logit_softcapping", None) is None
                  and isinstance(head, nn.Linear) and not kwargs.get("logits_to_keep"))
