@@ -1406,3 +1406,26 @@ def test_o3_keeps_rotary_inv_freq_in_float32(family):
         cos, _ = rotary(torch.zeros(1, 4000, 8, dtype=torch.bfloat16), pos)
         want, _ = ref_rotary(torch.zeros(1, 4000, 8), pos)  # fp32
     assert cos.dtype == torch.bfloat16 and (cos.float() - want).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_class_patch_then_prepare_warns_nothing_false(family):
+    """apply_tensor_ops_kernel_to_<family>() then prepare_model: the MLPs are
+    already ours (a class patch); prepare_model warned each 'looks like a
+    gated MLP but was left as is: act_fn TensorOpsSiLUActivation is not SiLU
+    or GELU' while it ran our swiglu."""
+    x = ids(seed=7)
+    base = build(family)
+    with torch.no_grad():
+        ref = base(x).logits
+    getattr(hf, f"apply_tensor_ops_kernel_to_{family}")()
+    try:
+        torch.manual_seed(0)
+        model = build(family)
+        model.load_state_dict(base.state_dict())
+        model, result = prepared(model)
+        assert not [w for w in result.warnings if "gated MLP" in w], result.warnings
+        with torch.no_grad():
+            assert rel(model(x).logits, ref) < 1e-5
+    finally:
+        hf.revert_tensor_ops_kernel(family)

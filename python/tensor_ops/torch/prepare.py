@@ -89,7 +89,8 @@ def _activation_of(act: nn.Module) -> Optional[str]:
 def _gated_mlp(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Module]:
     """A SwiGLU over m's own Linear modules when m is an HF-style gated MLP."""
     children = dict(m.named_children())
-    if not {"gate_proj", "up_proj", "down_proj"} <= set(children) or isinstance(m, modules.SwiGLU):
+    if (not {"gate_proj", "up_proj", "down_proj"} <= set(children) or isinstance(m, modules.SwiGLU)
+            or getattr(type(m), "_tensor_ops_kind", None) is not None):  # already ours (a class patch: hf.py)
         return None
     why = None
     g, u, d = children["gate_proj"], children["up_proj"], children["down_proj"]
