@@ -1429,3 +1429,21 @@ def test_class_patch_then_prepare_warns_nothing_false(family):
             assert rel(model(x).logits, ref) < 1e-5
     finally:
         hf.revert_tensor_ops_kernel(family)
+
+
+def test_output_attentions_keeps_an_sdpa_models_padded_loss():
+    """output_attentions=True on a prepared SDPA model runs eager attention
+    (for the probabilities); its rows with no key to attend (left padding)
+    were V's mean where SDPA's are 0, and the loss moved (6.860644 for HF's
+    6.866194). Those rows are 0 now; the probabilities come back."""
+    ref = build("llama")
+    model, _ = prepared(copy.deepcopy(ref))
+    x = ids(seed=8)
+    am = torch.ones_like(x)
+    am[1, :4] = 0
+    labels = x.masked_fill(am == 0, -100)
+    with torch.no_grad():
+        want = ref(x, attention_mask=am, labels=labels).loss
+        got = model(x, attention_mask=am, labels=labels, output_attentions=True)
+    assert got.attentions is not None and len(got.attentions) == config("llama").num_hidden_layers
+    assert abs(got.loss.item() - want.item()) <= 1e-5 * abs(want.item())

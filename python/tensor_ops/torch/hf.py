@@ -449,7 +449,17 @@ def _fallback(reason: str, module, query, key, value, attention_mask, is_causal:
         return sdpa_attention_forward(module, query, key, value, attention_mask, is_causal=is_causal, **kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     mask = _eager_mask(attention_mask, query, key, bool(query.shape[2] > 1 and causal))
-    return eager(module, query, key, value, mask, **kwargs)
+    out, weights = eager(module, query, key, value, mask, **kwargs)
+    if (getattr(module, _ORIGINAL_ATTENTION, None) == "sdpa" and isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dtype == torch.bool and out.dim() == 4 and out.shape[1] == query.shape[2]):
+        # A model that ran SDPA asking for the probabilities: eager's rows with no key to attend
+        # are V's mean, SDPA's (and ours) 0 (Note [eager's empty rows]): a left-padded batch's
+        # loss moved with output_attentions=True. Those rows zeroed, probabilities too.
+        seen = attention_mask.any(-1)  # [batch, 1 | heads, Lq]
+        out = torch.where(seen.transpose(1, 2)[..., None], out, out.new_zeros(()))
+        if isinstance(weights, torch.Tensor):
+            weights = torch.where(seen[..., None], weights, weights.new_zeros(()))
+    return out, weights
 
 
 try:  # transformers' output capture: what a forward with output_attentions=True collects
