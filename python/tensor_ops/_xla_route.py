@@ -150,7 +150,8 @@ def _records_autograd(values) -> bool:
     if torch.autograd.forward_ad._current_level >= 0:
         from .torch.forward_ad import has_tangent
 
-        if has_tangent(values):
+        # traced (torch.compile): fake tensors show no tangent; the functional op decides at run time
+        if torch.compiler.is_compiling() or has_tangent(values):
             return True
     if not torch.is_grad_enabled():
         return False
@@ -205,6 +206,10 @@ def _differentiable(name: str, native, args, kwargs):
             return native(*args, **kwargs)
         grads = [f"{type(a).__name__}{list(a.shape)} {a.dtype}" for a in args + tuple(kwargs.values())
                  if getattr(a, "requires_grad", False)]
+        if not grads:  # a tangent (Note [forward-mode AD]), as torch refuses out= there
+            raise InvalidArgumentError(
+                f"{name}: {key}= records no forward-mode AD, but an argument carries a tangent "
+                f"(torch.autograd.forward_ad / torch.func.jvp); call it without {key}= (the result carries it)")
         shown = f"{type(value).__name__}{list(value.shape)}" if hasattr(value, "shape") else repr(value)
         raise InvalidArgumentError(
             f"{name}: {key}={shown} records no autograd, but an argument requires grad ({', '.join(grads)}) "

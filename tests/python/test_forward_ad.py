@@ -243,3 +243,89 @@ def test_fused_linear_cross_entropy_tangent():
             dual = fwAD.unpack_dual(tt.fused_linear_cross_entropy(fwAD.make_dual(h, th), w, target,
                                                                   reduction=reduction)).tangent
         torch.testing.assert_close(dual.double(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_calls_inside_a_dual_level_carry_tangents():
+    """torch.compile inside forward_ad.dual_level(): traced, the op API sees
+    fake tensors with no tangent; it dropped the tangent of tensor_ops.silu /
+    rms_norm and of the fused linear cross-entropy."""
+    torch.manual_seed(0)
+    x, t, w = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16)
+    W, target = torch.randn(10, 16), torch.tensor([1, 2, 3, 9])
+    cases = [(lambda a: tensor_ops.silu(a), F.silu),
+             (lambda a: tensor_ops.rms_norm(a, w), lambda a: _rms(a, w, 1e-6)),
+             (lambda a: tt.fused_linear_cross_entropy(a, W, target), lambda a: F.cross_entropy(a @ W.t(), target))]
+    for ours, ref in cases:
+        want = torch.func.jvp(ref, (x,), (t,))[1]
+        torch._dynamo.reset()
+        compiled = torch.compile(ours, backend="eager", fullgraph=False)
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(compiled(fwAD.make_dual(x, t))).tangent
+        assert tangent is not None
+        torch.testing.assert_close(tangent, want, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_ops_fused_linear_cross_entropy_refuses_a_tangent():
+    """The raw custom ops have no forward-mode rule: a tangent is refused by
+    name (torch handed back none), the functional form carries it."""
+    h, W, target = torch.randn(4, 16), torch.randn(10, 16), torch.tensor([1, 2, 3, 9])
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(h, torch.randn_like(h))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.ops.tensor_ops.fused_linear_cross_entropy(dual, W, target, None, -100, "mean", 4, False, 0.0, 0.0,
+                                                            None)
+
+
+def test_out_with_a_tangent_is_refused_in_words():
+    """out= records no tangent (torch refuses out= under forward AD too): the
+    refusal names the tangent, not 'an argument requires grad ()'."""
+    x = torch.randn(3, 8)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.randn_like(x))
+        with pytest.raises(ValueError, match="carries a tangent"):
+            tensor_ops.silu(dual, out=torch.empty(3, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_widened_half_linear_carries_tangents(dtype, monkeypatch):
+    """A prepared half-precision Linear whose GEMM is widened to fp32 (Note
+    [half GEMMs in fp32]; forced here) raised under torch.func.jvp and with
+    dual tensors (its Function has neither rule)."""
+    import copy
+
+    monkeypatch.setenv("TENSOR_OPS_HALF_GEMM", "fp32")
+    from tensor_ops.torch import modules
+
+    monkeypatch.setattr(modules, "_HALF_POLICY", {})
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 40), torch.nn.Linear(40, 4)).to(dtype)
+    got, _ = tt.prepare_model(copy.deepcopy(ref), "O1")
+    x, t = torch.randn(20, 8, dtype=dtype), torch.randn(20, 8, dtype=dtype)
+    ref32 = copy.deepcopy(ref).float()
+    want = torch.func.jvp(lambda a: ref32(a.float()), (x,), (t,))[1]
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            torch.testing.assert_close(torch.func.jvp(got, (x,), (t,))[1].float(), want, rtol=2e-2, atol=2e-2)
+            with fwAD.dual_level():
+                tangent = fwAD.unpack_dual(got(fwAD.make_dual(x, t))).tangent
+            torch.testing.assert_close(tangent.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_out_lane_on_a_torch_whose_version_counter_takes_one_tensor(monkeypatch):
+    """torch 2.4's torch._C._increment_version takes one tensor, not a tuple
+    (pyproject allows torch>=2.4): the out= fast lane works there too."""
+    from tensor_ops import _optable
+
+    real = torch._C._increment_version
+
+    def one_tensor(t):
+        if not isinstance(t, torch.Tensor):
+            raise RuntimeError("increment_version expect a Tensor as input")
+        real(t)
+
+    monkeypatch.setattr(torch._C, "_increment_version", one_tensor)
+    monkeypatch.setattr(_optable, "_increment_version", None)
+    x, o = torch.randn(3, 8), torch.empty(3, 8)
+    v = o._version
+    assert tensor_ops.silu(x, out=o) is o and o._version > v
+    torch.testing.assert_close(o, F.silu(x))

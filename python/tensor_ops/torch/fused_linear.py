@@ -104,7 +104,7 @@ def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias=None, activati
         _log_torch_dtype(FusedLinearGELU if activation != "silu" else FusedLinearSiLU, "F.linear + activation", x.dtype)
         h = F.linear(x, weight, bias)
         return F.silu(h) if activation == "silu" else F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
-    if not torch.compiler.is_compiling() and (_fwad._current_level >= 0 or _functorch_stack() is not None):
+    if _fwad._current_level >= 0 or not torch.compiler.is_compiling() and _functorch_stack() is not None:
         # torch.func's transforms (the ctx-style Function is refused there) and
         # tangents (Note [forward-mode AD]): torch's GEMM, the functional activation
         h = F.linear(x, weight, bias)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tensor_ops import linear_cross_entropy as _lce
+from tensor_ops.errors import UnsupportedError
 
 from . import forward_ad
 from .custom_ops import loss_scaled
@@ -83,6 +84,18 @@ def _absent(hidden):
     return hidden.new_empty((0,))
 
 
+def _refuse_tangents(name: str, tensors) -> None:
+    """torch.ops.tensor_ops.<name> called on tensors with tangents (Note
+    [forward-mode AD]): these custom ops have no forward-mode rule, and torch
+    would hand back no tangent; tensor_ops.torch.fused_linear_cross_entropy
+    computes one."""
+    if (torch.autograd.forward_ad._current_level >= 0 and not torch.compiler.is_compiling()
+            and forward_ad.has_tangent(tensors)):
+        raise UnsupportedError(
+            f"torch.ops.tensor_ops.{name}: forward-mode AD (a tangent on an argument) is not supported "
+            f"by this op; call tensor_ops.torch.fused_linear_cross_entropy, which carries tangents")
+
+
 @torch.library.custom_op("tensor_ops::fused_linear_cross_entropy", mutates_args=())
 def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
              reduction: str, chunk_size: int, with_grad: bool, label_smoothing: float, z_loss: float,
@@ -90,6 +103,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
     """(float32 loss, grad_hidden, grad_weight, grad_bias) of the reduced loss;
     without with_grad the gradients are empty, and grad_bias is empty without
     a bias."""
+    _refuse_tangents("fused_linear_cross_entropy", (hidden, weight, bias))
     hidden, weight, target = hidden.contiguous(), weight.contiguous(), target.contiguous()
     losses, gh, gw, gb = _lce.chunked(TORCH, hidden, weight, target, bias, ignore_index, chunk_size, with_grad,
                                       label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
@@ -120,6 +134,7 @@ def _backward_rows(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor
                    softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) of sum(loss rows * dloss) for
     reduction "none": the loop again, each row's dlogits scaled by its dloss."""
+    _refuse_tangents("fused_linear_cross_entropy_backward", (dloss, hidden, weight, bias))
     hidden, weight, target = hidden.contiguous(), weight.contiguous(), target.contiguous()
     _, gh, gw, gb = _lce.chunked(TORCH, hidden, weight, target, bias, ignore_index, chunk_size, True,
                                  dloss_rows=dloss.contiguous(), label_smoothing=label_smoothing, z_loss=z_loss,
@@ -181,9 +196,10 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, b
     ignore_index, reduction, chunk_size = _lce.check_args(hidden2, weight, target1, bias, ignore_index, reduction,
                                                           chunk_size)
     label_smoothing, z_loss, softcap = _lce.check_ce_options(label_smoothing, z_loss, softcap)
-    if not torch.compiler.is_compiling() and (
-            torch.autograd.forward_ad._current_level >= 0 and forward_ad.has_tangent((hidden, weight, bias))
-            or torch._C._functorch.peek_interpreter_stack() is not None and forward_ad.jvp_transform()):
+    compiling = torch.compiler.is_compiling()
+    if (torch.autograd.forward_ad._current_level >= 0 and (compiling or forward_ad.has_tangent((hidden, weight, bias)))
+            or not compiling and torch._C._functorch.peek_interpreter_stack() is not None
+            and forward_ad.jvp_transform()):
         # tangents (Note [forward-mode AD]): the logits in torch's GEMM, cross-entropy in torch's ops
         loss = forward_ad.reference("cross_entropy", (torch.nn.functional.linear(hidden2, weight, bias), target1,
                                                       ignore_index, reduction, label_smoothing, z_loss, softcap))

@@ -213,6 +213,7 @@ _tracing_state = torch._C._get_tracing_state  # torch.jit.trace under way: not N
 _is_grad_enabled = torch.is_grad_enabled
 _is_autocast_enabled = torch.is_autocast_enabled
 _fwad = torch.autograd.forward_ad  # ._current_level: the dual level, -1 outside one
+_functorch_stack = torch._C._functorch.peek_interpreter_stack
 _cpu_threads = _to._C.cpu_num_threads
 _cpu_isa = _to._C.cpu_active_isa
 
@@ -412,6 +413,8 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     otherwise (run torch's). Differentiable."""
     if not widens(x, weight, bias) or _is_autocast_enabled("cpu") or x.dim() == 0:
         return None
+    if not _is_compiling() and (_fwad._current_level >= 0 or _functorch_stack() is not None):
+        return None  # tangents, torch.func (Note [forward-mode AD]): _WidenedLinear has neither rule; torch's F.linear
     dt = x.dtype
     kn = weight_layout == "kn"
     if _is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
