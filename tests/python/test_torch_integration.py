@@ -1294,3 +1294,18 @@ def test_sequential_subclass_with_pairs_is_named_not_fused():
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert rel_err(got(x), ref(x)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rms_norm_default_eps_is_torchs(dtype):
+    """nn.RMSNorm(eps=None) prepared: torch's default epsilon is its compute
+    type's (float32's 1.19e-7 for half input), not the input dtype's (bf16's
+    0.0078 put activations of 0.01 0.88 off)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.RMSNorm(64)).to(dtype)
+    got, _ = tt.prepare_model(copy.deepcopy(ref), "O1")
+    assert type(got[0]).__module__.startswith("tensor_ops")
+    for scale in (1.0, 0.1, 0.01):
+        x = torch.randn(4, 64, dtype=dtype) * scale
+        with torch.no_grad():
+            assert rel_err(got(x).float(), ref(x).float()) < 2e-2, scale
