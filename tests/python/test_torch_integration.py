@@ -1309,3 +1309,96 @@ def test_rms_norm_default_eps_is_torchs(dtype):
         x = torch.randn(4, 64, dtype=dtype) * scale
         with torch.no_grad():
             assert rel_err(got(x).float(), ref(x).float()) < 2e-2, scale
+
+
+class _GatedMLP(nn.Module):
+    def __init__(self, d=24, h=48):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False), \
+            nn.Linear(h, d, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_gated_mlp_with_state_of_its_own_is_kept_and_named():
+    """A gated MLP holding a buffer / Parameter of its own (or state_dict
+    hooks, or hooks on its act_fn) is not replaced: the replacement dropped
+    them (a strict load of the old checkpoint failed) without a word."""
+    torch.manual_seed(0)
+    mlp = _GatedMLP()
+    mlp.register_buffer("tokens_seen", torch.zeros(()))
+    ref = nn.Sequential(mlp)
+    got, result = tt.prepare_model(copy.deepcopy(ref), "O1")
+    assert type(got[0]) is _GatedMLP
+    assert any("tokens_seen" in w for w in result.warnings), result.warnings
+    got.load_state_dict(ref.state_dict(), strict=True)
+    hooked_act = nn.Sequential(_GatedMLP())
+    calls = []
+    hooked_act[0].act_fn.register_forward_hook(lambda *a: calls.append(1))
+    got, result = tt.prepare_model(hooked_act, "O1")
+    assert type(got[0]) is _GatedMLP and any("hooks" in w for w in result.warnings), result.warnings
+    assert calls == []  # the check ran no hook
+    plain, _ = tt.prepare_model(nn.Sequential(_GatedMLP()), "O1")
+    assert type(plain[0]) is tt.SwiGLU
+
+
+def test_swap_check_leaves_the_model_as_it_was():
+    """prepare_model's check of a gated MLP runs its forward once: in train
+    mode a spectral_norm on down_proj stepped its power iteration (the model
+    0.19 off afterwards) and the user's hooks saw the check's input."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(_GatedMLP())
+    nn.utils.spectral_norm(ref[0].down_proj)
+    ref.train()
+    got = copy.deepcopy(ref)
+    seen = []
+    got[0].gate_proj.register_forward_hook(lambda *a: seen.append(1))
+    u = got[0].down_proj.weight_u.clone()
+    got, _ = tt.prepare_model(got, "O1")
+    assert seen == [] and torch.equal(got[0].down_proj.weight_u, u) and got.training
+    x = torch.randn(2, 24)
+    assert rel_err(got(x), ref(x)) < 1e-5
+
+
+def test_activation_subclasses_are_not_fused():
+    """prepare_model_with_custom_kernels fused a subclass of nn.GELU / nn.SiLU
+    (CLIP's QuickGELU) as the plain activation: 0.0099 / 0.44 off."""
+    from tensor_ops.torch import prepare_model_with_custom_kernels
+
+    class QuickGELU(nn.GELU):
+        def forward(self, x):
+            return x * torch.sigmoid(1.702 * x)
+
+    class ScaledSiLU(nn.SiLU):
+        def forward(self, x):
+            return 2.0 * super().forward(x)
+
+    torch.manual_seed(0)
+    for act in (QuickGELU(), ScaledSiLU()):
+        ref = nn.Sequential(nn.Linear(8, 16), act, nn.Linear(16, 4))
+        got, result = prepare_model_with_custom_kernels(copy.deepcopy(ref), "O1")
+        assert not any("epilogue" in a for a in result.optimizations_applied), result.optimizations_applied
+        x = torch.randn(3, 8)
+        with torch.no_grad():
+            assert rel_err(got(x), ref(x)) < 1e-5
+
+
+def test_fused_pair_runs_global_module_hooks():
+    """torch's global module hooks (register_module_forward_hook) see every
+    module call; the fused pair skipped them (a hook editing the GELU's
+    output: 0.30 off)."""
+    from tensor_ops.torch import prepare_model_with_custom_kernels
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    got, _ = prepare_model_with_custom_kernels(copy.deepcopy(ref), "O1")
+    x = torch.randn(3, 8)
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: o * 2 if isinstance(m, nn.GELU) else None)
+    try:
+        with torch.no_grad():
+            assert rel_err(got(x), ref(x)) < 1e-5
+    finally:
+        handle.remove()

@@ -24,7 +24,9 @@ import tensor_ops as _to
 
 from . import functional as ops
 from .custom_ops import first_order
+from .modules import GELU as _ModulesGELU
 from .modules import Linear as _ModulesLinear
+from .modules import SiLU as _ModulesSiLU
 from .modules import _KERNEL_DTYPES, _log_torch_dtype, _widened_gemm, half_mm, linear_max_rows, linear_rows, widens
 
 _log = logging.getLogger("tensor_ops")
@@ -165,9 +167,10 @@ def _pair_kind(lin: nn.Module, act: nn.Module):
     ours), act nn.GELU / nn.SiLU (or ours), neither hooked."""
     if plain_linear_layout(lin) != "nk":
         return None
-    if isinstance(act, nn.GELU):
+    t = type(act)  # exactly torch's (or ours): a subclass (CLIP's QuickGELU(nn.GELU)) computes its own function
+    if t is nn.GELU or t is _ModulesGELU:
         kind = "gelu_tanh" if act.approximate == "tanh" else "gelu"
-    elif isinstance(act, nn.SiLU):
+    elif t is nn.SiLU or t is _ModulesSiLU:
         kind = "silu"
     else:
         return None
@@ -193,7 +196,13 @@ def hooked(m: nn.Module) -> bool:
     to load the weights, which sit on the meta device until then)."""
     return "forward" in m.__dict__ or any(
         getattr(m, name, None) for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                            "_backward_pre_hooks", "_forward_hooks_with_kwargs"))
+                                            "_backward_pre_hooks", "_forward_hooks_with_kwargs")) or any(
+        getattr(_torch_module, name, None) for name in _GLOBAL_HOOKS)  # torch.nn.modules.module.register_module_*
+
+
+_torch_module = torch.nn.modules.module
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
 
 
 # Note [fused in the Sequential]: prepare_model_with_custom_kernels makes an

@@ -104,7 +104,8 @@ def _gated_mlp(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Modu
     elif act is None:
         why = f"act_fn {type(children['act_fn']).__name__} is not SiLU or GELU"
     else:  # Note [checked swaps] (swap_check.py)
-        why = swap_check.names_mismatch(m, frozenset(_MLP_CHILDREN))
+        why = swap_check.state_left_behind(m, children["act_fn"]) or swap_check.names_mismatch(
+            m, frozenset(_MLP_CHILDREN))
     why = why or swap_check.same_output(
         m, lambda mod, x: modules.SwiGLU.from_linears(mod.gate_proj, mod.up_proj, mod.down_proj, act)(x), g.in_features)
     if why:
