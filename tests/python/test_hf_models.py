@@ -1447,3 +1447,25 @@ def test_output_attentions_keeps_an_sdpa_models_padded_loss():
         got = model(x, attention_mask=am, labels=labels, output_attentions=True)
     assert got.attentions is not None and len(got.attentions) == config("llama").num_hidden_layers
     assert abs(got.loss.item() - want.item()) <= 1e-5 * abs(want.item())
+
+
+def test_activation_subclass_with_its_own_forward_is_not_taken_for_its_base():
+    """hf.activation_kind names an activation by its class only when that
+    class's forward is what runs: a subclass of nn.GELU / transformers'
+    GELUActivation with a forward of its own (QuickGELU) is not GELU."""
+    from transformers.activations import GELUActivation, NewGELUActivation
+
+    class QuickGELU(nn.GELU):
+        def forward(self, x):
+            return x * torch.sigmoid(1.702 * x)
+
+    class Quick2(GELUActivation):
+        def forward(self, x):
+            return x * torch.sigmoid(1.702 * x)
+
+    class Plain(NewGELUActivation):
+        pass
+
+    assert hf.activation_kind(QuickGELU()) is None and hf.activation_kind(Quick2()) is None
+    assert hf.activation_kind(nn.GELU(approximate="tanh")) == "gelu_tanh" and hf.activation_kind(Plain()) == "gelu_tanh"
+    assert hf.activation_kind(nn.SiLU()) == "silu"

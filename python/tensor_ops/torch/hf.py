@@ -101,13 +101,16 @@ def activation_kind(act: Optional[nn.Module]) -> Optional[str]:
         return None
     if getattr(act, "_tensor_ops_act", None):
         return act._tensor_ops_act
-    if isinstance(act, nn.GELU):
+    # The class whose function is named must also be the one whose forward runs: a subclass with a
+    # forward of its own (CLIP's QuickGELU(nn.GELU)) computes something else.
+    forward = type(act).forward
+    if isinstance(act, nn.GELU) and forward is nn.GELU.forward:
         return "gelu_tanh" if act.approximate == "tanh" else "gelu"
-    if isinstance(act, nn.SiLU):
+    if isinstance(act, nn.SiLU) and forward is nn.SiLU.forward:
         return "silu"
     for cls in type(act).__mro__:
         if cls.__module__.startswith("transformers.") and cls.__name__ in HF_ACTIVATIONS:
-            return HF_ACTIVATIONS[cls.__name__]
+            return HF_ACTIVATIONS[cls.__name__] if forward is cls.forward else None
     return None
 
 
