@@ -260,3 +260,18 @@ def test_three_dim_inputs_as_sdpa(lq, mask_dims, rng):
         assert_close(g.detach().numpy(), w.detach().numpy(), "float32", "3-d sdpa")
     with pytest.raises(ValueError, match=r"got shapes \(2, 3, 4, 5, 6\)"):
         sdpa(torch.randn(2, 3, 4, 5, 6), k, v)
+
+
+def test_sdpa_drop_in_takes_enable_gqa():
+    """tt.scaled_dot_product_attention takes SDPA's enable_gqa= (code written
+    for F.scaled_dot_product_attention passes it with grouped-query heads; it
+    raised TypeError)."""
+    import torch.nn.functional as F
+
+    import tensor_ops.torch as tt
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(tt.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), want,
+                               rtol=1e-5, atol=1e-6)

@@ -35,7 +35,7 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def scaled_dot_product_attention(q, k, v, attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                                 is_causal: bool = False, scale: Optional[float] = None, *,
+                                 is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, *,
                                  training: bool = True, causal_alignment: str = "top_left") -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention's contract on
     [batch, heads, seq, head_dim] (kv heads may divide q heads): attn_mask
@@ -45,7 +45,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask: Optional[torch.Tensor] = No
     + Lk - Lq: a query with no key gives zeros). is_causal may be combined
     with attn_mask (both apply). dropout_p applied when `training`. A row
     that attends to nothing gives zeros and zero gradients (see Note [fully
-    masked rows])."""
+    masked rows]). enable_gqa is accepted as SDPA's (grouped-query k / v are
+    taken whatever its value)."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if q.dim() == k.dim() == v.dim() == 3:  # [batch, seq, head_dim], as SDPA takes it: one head
