@@ -1402,3 +1402,12 @@ def test_fused_pair_runs_global_module_hooks():
             assert rel_err(got(x), ref(x)) < 1e-5
     finally:
         handle.remove()
+
+
+def test_encoder_fast_path_is_said():
+    """nn.TransformerEncoderLayer's eval fast path runs torch's own kernels on
+    the norms' weights: the swapped LayerNorms do not run there, and the
+    result says so (it listed them as swapped, nothing more)."""
+    m = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+    _, result = tt.prepare_model(m, "O1")
+    assert any("fast path" in w and "2 nn.TransformerEncoderLayer" in w for w in result.warnings), result.warnings

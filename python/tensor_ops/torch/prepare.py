@@ -306,6 +306,12 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
         applied += [f"{swap} x{n}" for swap, n in sorted(counts.items())]
         if not counts:
             warnings.append("O1: no module tensor_ops replaces was found")
+        encoders = sum(isinstance(m, nn.TransformerEncoderLayer) for m in model.modules())
+        if encoders and counts:
+            warnings.append(f"{encoders} nn.TransformerEncoderLayer: in eval mode without gradients torch runs "
+                            f"them on its fused fast path (torch._transformer_encoder_layer_fwd), which reads the "
+                            f"norms' weights and uses its own kernels, not the swapped modules; training and calls "
+                            f"the fast path does not take run ours")
     if level >= OptimizationLevel.O3:
         dtype = _reduced_dtype(backend.device)
         n = sum(t.is_floating_point() for t in _tensors(model))
