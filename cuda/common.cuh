@@ -516,11 +516,12 @@ __device__ __forceinline__ void for_chunks(const RowGroup<Grouped>& g, bool in_r
 // read the copy exactly as they read the source (load_column, 16-byte chunks
 // on the rows whose boundary the vector shares, Note [Row head and tail]).
 // The host (norm_launch in norm.cu) sizes the grid so that each block runs
-// at least kWeightShare * vectors / row views rows: the vectors' reads are
-// at most about 1/kWeightShare of the rows' own traffic. That grid is
-// smaller than one block per row: at a few hundred rows some SMs idle (the
-// weight re-reads it saves are L2 hits on a GPU); from about 1,600 rows
-// (rms_norm) every SM of an H100 has two blocks.
+// at least kWeightShare * vectors / row views rows (the vectors' reads are
+// at most about 1/kWeightShare of the rows' own traffic), but never below
+// kFillBlocks (two per SM of an H100) for it: at a few hundred rows every
+// row keeps its own block (its weight read, from the L2 on a GPU, still one
+// 16-byte chunk at a time through the copy), and from a few thousand rows
+// the share holds.
 constexpr int64_t kMaxKeptBytes = 40 << 10;
 
 // Shared bytes one kept vector of cols elements of `item` bytes takes: the

@@ -369,9 +369,14 @@ constexpr int kMaxRegisterChunks = 4;
 // Note [Weight once per block]: a block runs at least kWeightShare *
 // vectors / row views rows (rms_norm 6, layer_norm 12 with a bias,
 // add_rms_norm 3), so that the weight / bias, read once per block, add at
-// most about 1/kWeightShare to the rows' traffic (8% at 256 rows: the
-// traffic check's shape).
+// most about 1/kWeightShare to the rows' traffic, but the grid never drops
+// below kFillBlocks (two blocks per SM of a 132-SM H100) for it: at a few
+// hundred rows (decode batches, the traffic check's 256) every row keeps a
+// block of its own, as row_launch gives it, and its weight re-read is an L2
+// hit on a GPU (8-16 KB); fewer blocks than SMs would serialise rows. From
+// kFillBlocks * kWeightShare-ish rows (the check's 4096) the share holds.
 constexpr int64_t kWeightShare = 12;
+constexpr int64_t kFillBlocks = 2 * 132;
 
 // The launch of a norm forward at rows x cols (chunks a row) whose weight /
 // bias (`vectors` of them) are indexed by column and whose rows x cols views
@@ -393,7 +398,10 @@ NormLaunch norm_launch(int64_t rows, int64_t cols, int64_t chunks, size_t item, 
   const int64_t per_pass = l.threads / l.group;
   const int64_t min_rows = ceil_div(kWeightShare * vectors, row_views);
   const int64_t per_block = ceil_div(min_rows, per_pass) * per_pass;
-  l.blocks = row_blocks(ceil_div(rows, per_block));
+  const int64_t fill = std::min<int64_t>(l.blocks, kFillBlocks);
+  l.blocks = std::max<unsigned>(row_blocks(ceil_div(rows, per_block)), unsigned(fill));
+  // Kept even by a block of one pass: the copy moves in 16-byte chunks, where
+  // a row off the weight's 16-byte boundary (odd widths) reads it per element.
   return {l, true, size_t(smem)};
 }
 
