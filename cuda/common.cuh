@@ -393,7 +393,9 @@ constexpr int kWidth = int(std::extent<std::remove_reference_t<A>>::value);
 // (load_column). That keeps the 16-byte path for every row of x and y, which
 // are rows x cols, where requiring the weight's offset too would leave most
 // rows of an odd width on the scalar path; the weight's scalar reads are
-// cols elements per row, hits in L1 / L2 after the first row.
+// from its copy in shared memory (Note [Weight once per block]), or, for
+// rows too wide for that, cols elements per row, hits in L1 / L2 after the
+// first row.
 struct RowSplit {
   int head;
   int64_t chunks;
@@ -503,34 +505,47 @@ __device__ __forceinline__ void for_chunks(const RowGroup<Grouped>& g, bool in_r
   if (j < s.tail) single(s.head + s.chunks * V + j, r.tail);
 }
 
-// Note [Weight once per block]: a grouped norm kernel (Note [Rows per
-// block]: up to kGroupBlockThreads / kMinGroupThreads rows a block, each
-// block's rows one pass) copies the weight / bias once into shared memory
-// as fp32 (cols <= kMaxGroupCols) and its groups read them from there
-// (column_at), so global memory sees them once per block, not once per row.
-// Shared memory is indexed by element, so rows that start anywhere (Note
-// [Row head and tail]) read it alike. A block per row keeps reading the
-// weight per row (on a GPU, L1 / L2 hits): one row a block gains nothing
-// from a copy.
-constexpr int kMaxGroupCols = (kMaxGroupThreads + 1) * 8;
+// Note [Weight once per block]: a norm forward kernel copies its weight /
+// bias once per block into dynamic shared memory (keep_columns, when they fit
+// kMaxKeptBytes: every grouped launch, and rows of up to 5,100 fp32 / 10,200
+// 16-bit columns with a bias, twice that without) and reads them from there
+// for every row the block runs, so global memory sees them once per block,
+// not once per row. The copy keeps each element's offset from a 16-byte
+// boundary (the copy starts at its source's offset), so a chunk that is one
+// 16-byte access in global memory is one in shared memory and the kernels
+// read the copy exactly as they read the source (load_column, 16-byte chunks
+// on the rows whose boundary the vector shares, Note [Row head and tail]).
+// The host (norm_launch in norm.cu) sizes the grid so that each block runs
+// at least kWeightShare * vectors / row views rows (the vectors' reads are
+// at most about 1/kWeightShare of the rows' own traffic), but never below
+// kFillBlocks (two per SM of an H100) for it: at a few hundred rows every
+// row keeps its own block (its weight read, from the L2 on a GPU, still one
+// 16-byte chunk at a time through the copy), and from a few thousand rows
+// the share holds.
+constexpr int64_t kMaxKeptBytes = 40 << 10;
 
-// Copies p[0, cols) to sh as fp32 (a grouped kernel, cols <= kMaxGroupCols); every thread calls it.
+// Shared bytes one kept vector of cols elements of `item` bytes takes: the
+// elements after an offset of up to 15 bytes, whole 16-byte chunks.
+__host__ __device__ inline int64_t kept_bytes(int64_t cols, int64_t item) { return (cols * item + 31) / 16 * 16; }
+
+// Copies p[0, cols) to shared memory at sh (16-byte aligned, kept_bytes(cols,
+// sizeof(T)) bytes) plus p's offset from a 16-byte boundary, in 16-byte
+// chunks around a scalar head and tail, and returns the copy's element 0.
+// Every thread of the block calls it (it ends with a barrier).
 template <class T>
-__device__ __forceinline__ void copy_columns(const T* p, int64_t cols, float* sh) {
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) sh[i] = to_f32(p[i]);
-  __syncthreads();
-}
-
-// Elements e .. e + N - 1 of a vector indexed by column: from its shared
-// copy where kept is not NULL, else read (load_column, 16-byte chunks where vec).
-template <class T, int N>
-__device__ __forceinline__ void column_at(const float* kept, const T* p, int64_t e, bool vec, float (&out)[N]) {
-  if (kept) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) out[k] = kept[e + k];
-  } else {
-    load_column(p, e, vec, out);
+__device__ __forceinline__ const T* keep_columns(const T* p, int64_t cols, char* sh) {
+  constexpr int V = int(16 / sizeof(T));
+  T* kept = reinterpret_cast<T*>(sh + reinterpret_cast<uintptr_t>(p) % 16);
+  const RowSplit s = split_row<T, V>(p, cols);
+  for (int64_t i = threadIdx.x; i < s.chunks; i += blockDim.x)
+    *reinterpret_cast<Vec<T, V>*>(kept + s.head + i * V) = *reinterpret_cast<const Vec<T, V>*>(p + s.head + i * V);
+  if (int(threadIdx.x) < s.head) kept[threadIdx.x] = p[threadIdx.x];
+  if (int(threadIdx.x) < s.tail) {
+    const int64_t e = s.head + s.chunks * V + threadIdx.x;
+    kept[e] = p[e];
   }
+  __syncthreads();
+  return kept;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -18,15 +18,17 @@ namespace {
 // its 16-byte boundary (Note [Row head and tail]); a short row takes a group
 // of `group` threads, several rows a block (Note [Rows per block]). Rows past
 // the last (r >= rows) of the last block's groups are empty: their threads
-// still take part in the reductions.
+// still take part in the reductions. With keep (the host's norm_launch;
+// always for Grouped, whose vectors always fit), the weight / bias are read
+// once per block into dynamic shared memory and from there for each of the
+// block's rows (Note [Weight once per block]).
 template <class T, int V, bool Grouped>
 __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThreads)
     rms_norm_kernel(const T* x, int64_t x_stride, const T* __restrict__ w, T* y, int64_t y_stride,
-                    int64_t rows, int64_t cols, float eps, float offset, int group) {
+                    int64_t rows, int64_t cols, float eps, float offset, int group, bool keep) {
   const RowGroup<Grouped> g = row_group<Grouped>(group);
-  __shared__ float w_sh[Grouped ? kMaxGroupCols : 1];  // Note [Weight once per block]
-  if (Grouped) copy_columns(w, cols, w_sh);
-  const float* w_kept = Grouped ? w_sh : nullptr;
+  extern __shared__ __align__(16) float norm_kept[];  // Note [Weight once per block]
+  const T* wk = Grouped || keep ? keep_columns(w, cols, reinterpret_cast<char*>(norm_kept)) : w;
   for (int64_t r0 = int64_t(blockIdx.x) * g.per_block; r0 < rows; r0 += int64_t(gridDim.x) * g.per_block) {
     const int64_t r = r0 + g.index;
     const T* xr = x + r * x_stride;
@@ -45,7 +47,7 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     for_chunks(g, in_registers, false, s, a, [&](int64_t e, auto& b) {
       constexpr int n = kWidth<decltype(b)>;
       float wv[n];
-      column_at(w_kept, w, e, w_vec, wv);
+      load_column(wk, e, w_vec, wv);
 #pragma unroll
       for (int k = 0; k < n; ++k) b[k] = b[k] * scale * (wv[k] + offset);
       store_at(yr, e, b);
@@ -58,17 +60,12 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
 template <class T, int V, bool Grouped>
 __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThreads)
     layer_norm_kernel(const T* x, int64_t x_stride, const T* __restrict__ w, const T* __restrict__ b, T* y,
-                      int64_t y_stride, int64_t rows, int64_t cols, float eps, int group) {
+                      int64_t y_stride, int64_t rows, int64_t cols, float eps, int group, bool keep) {
   const RowGroup<Grouped> g = row_group<Grouped>(group);
-  // Note [Weight once per block]
-  __shared__ float w_sh[Grouped ? kMaxGroupCols : 1];
-  __shared__ float b_sh[Grouped ? kMaxGroupCols : 1];
-  if (Grouped) {
-    copy_columns(w, cols, w_sh);
-    if (b) copy_columns(b, cols, b_sh);
-  }
-  const float* w_kept = Grouped ? w_sh : nullptr;
-  const float* b_kept = Grouped ? b_sh : nullptr;
+  extern __shared__ __align__(16) float norm_kept[];  // Note [Weight once per block]: w, then b
+  char* const sh = reinterpret_cast<char*>(norm_kept);
+  const T* wk = Grouped || keep ? keep_columns(w, cols, sh) : w;
+  const T* bk = (Grouped || keep) && b ? keep_columns(b, cols, sh + kept_bytes(cols, sizeof(T))) : b;
   for (int64_t r0 = int64_t(blockIdx.x) * g.per_block; r0 < rows; r0 += int64_t(gridDim.x) * g.per_block) {
     const int64_t r = r0 + g.index;
     const T* xr = x + r * x_stride;
@@ -92,8 +89,8 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     for_chunks(g, in_registers, false, s, a, [&](int64_t e, auto& c) {
       constexpr int n = kWidth<decltype(c)>;
       float wv[n], bv[n] = {};
-      column_at(w_kept, w, e, w_vec, wv);
-      if (b) column_at(b_kept, b, e, b_vec, bv);
+      load_column(wk, e, w_vec, wv);
+      if (b) load_column(bk, e, b_vec, bv);
 #pragma unroll
       for (int k = 0; k < n; ++k) c[k] = (c[k] - mean) * rstd * wv[k] + bv[k];
       store_at(yr, e, c);
@@ -109,11 +106,10 @@ template <class T, int V, bool Grouped>
 __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThreads)
     add_rms_norm_kernel(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const T* __restrict__ w,
                         T* y, int64_t y_stride, T* res_out, int64_t res_out_stride, int64_t rows, int64_t cols,
-                        float eps, int group) {
+                        float eps, int group, bool keep) {
   const RowGroup<Grouped> g = row_group<Grouped>(group);
-  __shared__ float w_sh[Grouped ? kMaxGroupCols : 1];  // Note [Weight once per block]
-  if (Grouped) copy_columns(w, cols, w_sh);
-  const float* w_kept = Grouped ? w_sh : nullptr;
+  extern __shared__ __align__(16) float norm_kept[];  // Note [Weight once per block]
+  const T* wk = Grouped || keep ? keep_columns(w, cols, reinterpret_cast<char*>(norm_kept)) : w;
   for (int64_t r0 = int64_t(blockIdx.x) * g.per_block; r0 < rows; r0 += int64_t(gridDim.x) * g.per_block) {
     const int64_t r = r0 + g.index;
     const T* xr = x + r * x_stride;
@@ -139,7 +135,7 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     for_chunks(g, in_registers, false, s, a, [&](int64_t e, auto& c) {
       constexpr int n = kWidth<decltype(c)>;
       float wv[n];
-      column_at(w_kept, w, e, w_vec, wv);
+      load_column(wk, e, w_vec, wv);
 #pragma unroll
       for (int k = 0; k < n; ++k) c[k] = c[k] * scale * wv[k];
       store_at(yr, e, c);
@@ -358,10 +354,56 @@ __global__ void __launch_bounds__(kSumCols * kSumRows)
 // Blocks of the backward's first stage (one per SM of an H100; a constant,
 // not the device's count, so that the sums are the same on every device):
 // the partial sums cost 2 * kBackwardBlocks * cols floats of scratch.
+// Global memory sees, per block, w once and its fp32 dweight (and dbias)
+// partials written and read once: 3 (rms) to 5 (layer) fp32 rows, up to 9
+// rows of a bf16 layer_norm. Unlike the forward's weight (Note [Weight once
+// per block]) this is not traded for SMs: at a few hundred rows (the traffic
+// check's 256) within 1.1x of the ideal bytes would take 8-25 blocks, and
+// the rows' dx needs every SM; from a few thousand rows (4096 rows: within
+// 1.1x) the partials are small beside the rows.
 constexpr int64_t kBackwardBlocks = 132;
 // Chunks per thread the first stage keeps in registers (K); rows with more
 // take norm_backward_wide_kernel.
 constexpr int kMaxRegisterChunks = 4;
+
+// Note [Weight once per block]: a block runs at least kWeightShare *
+// vectors / row views rows (rms_norm 6, layer_norm 12 with a bias,
+// add_rms_norm 3), so that the weight / bias, read once per block, add at
+// most about 1/kWeightShare to the rows' traffic, but the grid never drops
+// below kFillBlocks (two blocks per SM of a 132-SM H100) for it: at a few
+// hundred rows (decode batches, the traffic check's 256) every row keeps a
+// block of its own, as row_launch gives it, and its weight re-read is an L2
+// hit on a GPU (8-16 KB); fewer blocks than SMs would serialise rows. From
+// kFillBlocks * kWeightShare-ish rows (the check's 4096) the share holds.
+constexpr int64_t kWeightShare = 12;
+constexpr int64_t kFillBlocks = 2 * 132;
+
+// The launch of a norm forward at rows x cols (chunks a row) whose weight /
+// bias (`vectors` of them) are indexed by column and whose rows x cols views
+// number `row_views` (x and y; add_rms_norm's residual in and out too):
+// row_launch's blocks and threads, the kernels' keep and the dynamic shared
+// bytes for it. When the vectors fit kMaxKeptBytes, each block keeps them and
+// runs at least kWeightShare * vectors / row_views rows (whole passes of its
+// groups); else a block per row (a grouped pass) reads them per row, as the
+// grid of row_launch.
+struct NormLaunch {
+  RowLaunch l;
+  bool keep;
+  size_t smem;
+};
+NormLaunch norm_launch(int64_t rows, int64_t cols, int64_t chunks, size_t item, int vectors, int row_views) {
+  RowLaunch l = row_launch(rows, chunks);
+  const int64_t smem = vectors * kept_bytes(cols, int64_t(item));
+  if (smem > kMaxKeptBytes) return {l, false, 0};
+  const int64_t per_pass = l.threads / l.group;
+  const int64_t min_rows = ceil_div(kWeightShare * vectors, row_views);
+  const int64_t per_block = ceil_div(min_rows, per_pass) * per_pass;
+  const int64_t fill = std::min<int64_t>(l.blocks, kFillBlocks);
+  l.blocks = std::max<unsigned>(row_blocks(ceil_div(rows, per_block)), unsigned(fill));
+  // Kept even by a block of one pass: the copy moves in 16-byte chunks, where
+  // a row off the weight's 16-byte boundary (odd widths) reads it per element.
+  return {l, true, size_t(smem)};
+}
 
 // rms_norm's weight offset as the kernels take it: -0.0f for none (+0.0f
 // would turn a -0.0 weight into +0.0).
@@ -374,11 +416,12 @@ to_status rms_norm_typed(const to_op_call* c, cudaStream_t stream) {
   const float eps = float(c->scalars[0]), offset = weight_offset(c->scalars[1]);
   return with_chunk<T>(rows_same_offset16({&xt, &yt}, sizeof(T)), [&](auto v) {
     constexpr int V = decltype(v)::value;
-    const RowLaunch l = row_launch(rows, cols / V);
+    const NormLaunch n = norm_launch(rows, cols, cols / V, sizeof(T), 1, 2);
+    const RowLaunch& l = n.l;
     return with_grouping(l, [&](auto grouped) {
-      rms_norm_kernel<T, V, decltype(grouped)::value><<<l.blocks, l.threads, 0, stream>>>(
+      rms_norm_kernel<T, V, decltype(grouped)::value><<<l.blocks, l.threads, n.smem, stream>>>(
           element0<const T>(xt), xt.strides[0], element0<const T>(wt), element0<T>(yt), yt.strides[0], rows, cols,
-          eps, offset, l.group);
+          eps, offset, l.group, n.keep);
       TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
       return TO_OK;
     });
@@ -393,11 +436,12 @@ to_status layer_norm_typed(const to_op_call* c, cudaStream_t stream) {
   const float eps = float(c->scalars[0]);
   return with_chunk<T>(rows_same_offset16({&xt, &yt}, sizeof(T)), [&](auto v) {
     constexpr int V = decltype(v)::value;
-    const RowLaunch l = row_launch(rows, cols / V);
+    const NormLaunch n = norm_launch(rows, cols, cols / V, sizeof(T), b ? 2 : 1, 2);
+    const RowLaunch& l = n.l;
     return with_grouping(l, [&](auto grouped) {
-      layer_norm_kernel<T, V, decltype(grouped)::value><<<l.blocks, l.threads, 0, stream>>>(
+      layer_norm_kernel<T, V, decltype(grouped)::value><<<l.blocks, l.threads, n.smem, stream>>>(
           element0<const T>(xt), xt.strides[0], element0<const T>(wt), b, element0<T>(yt), yt.strides[0], rows,
-          cols, eps, l.group);
+          cols, eps, l.group, n.keep);
       TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
       return TO_OK;
     });
@@ -412,11 +456,12 @@ to_status add_rms_norm_typed(const to_op_call* c, cudaStream_t stream) {
   const float eps = float(c->scalars[0]);
   return with_chunk<T>(rows_same_offset16({&xt, &rt, &yt, &ot}, sizeof(T)), [&](auto v) {
     constexpr int V = decltype(v)::value;
-    const RowLaunch l = row_launch(rows, cols / V);
+    const NormLaunch n = norm_launch(rows, cols, cols / V, sizeof(T), 1, 4);
+    const RowLaunch& l = n.l;
     return with_grouping(l, [&](auto grouped) {
-      add_rms_norm_kernel<T, V, decltype(grouped)::value><<<l.blocks, l.threads, 0, stream>>>(
+      add_rms_norm_kernel<T, V, decltype(grouped)::value><<<l.blocks, l.threads, n.smem, stream>>>(
           element0<const T>(xt), xt.strides[0], element0<const T>(rt), rt.strides[0], element0<const T>(wt),
-          element0<T>(yt), yt.strides[0], element0<T>(ot), ot.strides[0], rows, cols, eps, l.group);
+          element0<T>(yt), yt.strides[0], element0<T>(ot), ot.strides[0], rows, cols, eps, l.group, n.keep);
       TENSOR_OPS_CUDA_CHECK(cudaGetLastError());
       return TO_OK;
     });

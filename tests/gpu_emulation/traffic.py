@@ -57,32 +57,46 @@ LIMIT = 1.1
 # 1.50, layer_norm 2.99 -> 2.00, add_rms_norm 1.50 -> 1.25); on a GPU those
 # re-reads are L2 hits (a [4096] weight is 8-16 KB), which this count does
 # not model.
+# The norms' forward (2026-11-28): every block copies the weight / bias into
+# shared memory once (Note [Weight once per block] in cuda/common.cuh) and
+# runs at least 12 x vectors / row views rows (rms_norm 6, layer_norm 12,
+# add_rms_norm 3): at [256, 4096] and [256, 4095], fp32 and bf16, rms_norm
+# 1.50 -> 1.08, layer_norm 2.00 -> 1.08, add_rms_norm 1.25 -> 1.08 (the odd
+# width's weight now moves in 16-byte chunks too: bytes / access 16, was
+# 4-11); layer_norm@128 fp32 1.13 -> 1.06 (a block runs two passes of its 8
+# row groups). But that was bought with fewer blocks than SMs at 256 rows
+# (43 / 22 / 86), which would serialise a decode batch's rows on a GPU for
+# what the L2 serves anyway; so the grid keeps a block per row up to
+# kFillBlocks (264, two per SM), as the backward keeps its 132 (below): at
+# 256 rows the forward norms read the weight once per row again (1.50 /
+# 2.00 / 1.25, in KNOWN; fp32 layer_norm@128 1.12 again), and from a few
+# thousand rows each block keeps it for at least its share of rows: the
+# @4096-row cases, 1.08. The copy still gives the odd width 16-byte accesses.
+# The norm backward at 256 rows stays: its 132 blocks (kBackwardBlocks, one
+# per SM) each read w once and write and read a row of dweight (and dbias)
+# partials in fp32, as much as the 256 rows themselves. Within 1.1x would
+# take at most about 25 (rms_norm fp32), 15 (rms_norm bf16, layer_norm
+# fp32) or 8 (layer_norm bf16) blocks at 256 rows, a fraction of an H100's
+# 132 SMs; the @4096 cases are within 1.1x (kBackwardBlocks in cuda/norm.cu).
 KNOWN = {
     "rms_norm/float32": 1.50,
     "layer_norm/float32": 2.00,
     "add_rms_norm/float32": 1.25,
-    "rms_norm_backward/float32": 1.52,
-    "layer_norm_backward/float32": 1.86,
     "rms_norm/bfloat16": 1.50,
     "layer_norm/bfloat16": 2.00,
     "add_rms_norm/bfloat16": 1.25,
-    "rms_norm_backward/bfloat16": 1.86,
-    # The norms at the odd width (2026-11-26): the same weight re-reads. The
-    # row moves in 16-byte chunks after a scalar head (softmax, its backward
-    # and cross-entropy in bf16 were at 1.50-1.67 here, one element per
-    # access and streamed twice); the weight, one element at a time on the
-    # rows whose boundary it does not share (bytes / access 5-11, not 16).
     "rms_norm@4095/float32": 1.50,
     "layer_norm@4095/float32": 2.00,
     "add_rms_norm@4095/float32": 1.25,
     "rms_norm@4095/bfloat16": 1.50,
     "layer_norm@4095/bfloat16": 2.00,
     "add_rms_norm@4095/bfloat16": 1.25,
-    # Short rows (2026-11-26): a grouped norm copies its weight and bias into
-    # shared memory once per block of 8 (fp32) or 16 (bf16) rows; rms_norm
-    # and add_rms_norm are within 1.1 (1.50 -> 1.06, 1.25 -> 1.03), fp32
-    # layer_norm's two vectors per 8 rows of 128 are 1.12 (was 2.00).
+    # [2048, 128] fp32: 256 blocks of 8 rows (a block per row group up to
+    # kFillBlocks), the weight and bias once per 8 rows of 128.
     "layer_norm@128/float32": 1.13,
+    "rms_norm_backward/float32": 1.52,
+    "layer_norm_backward/float32": 1.86,
+    "rms_norm_backward/bfloat16": 1.86,
     "layer_norm_backward/bfloat16": 2.55,
     # Attention reads K and V once per (query head, query tile), as flash
     # attention does (on a GPU the 4 heads of a kv group and the causal
@@ -170,6 +184,13 @@ def cases(dtype):
         for name, fn, extra in (("rms_norm_backward", to.rms_norm_backward, 1),
                                 ("layer_norm_backward", to.layer_norm_backward, 2))
         for dy2, x2 in [(rand(LONG_ROWS, COLS), rand(LONG_ROWS, COLS))]
+    ] + [  # the norms' forward where the grid fills the GPU and each block keeps the weight for its rows
+        (f"{name}@{LONG_ROWS}", fn, args, out_bytes)
+        for x4, r4 in [(rand(LONG_ROWS, COLS), rand(LONG_ROWS, COLS))]
+        for name, fn, args, out_bytes in (
+            ("rms_norm", to.rms_norm, (x4, w), LONG_ROWS * COLS * es),
+            ("layer_norm", to.layer_norm, (x4, w, b), LONG_ROWS * COLS * es),
+            ("add_rms_norm", to.add_rms_norm, (x4, r4, w), 2 * LONG_ROWS * COLS * es))
     ]
 
 
