@@ -398,3 +398,30 @@ def test_with_the_xla_shim_selected_it_says_so():
         with pytest.raises(UnsupportedError, match="XLA shim"):
             tensor_ops.fused_linear_cross_entropy(h, w, t)
     assert np.isfinite(tensor_ops.fused_linear_cross_entropy(h, w, t)[0])
+
+
+def test_torch_form_follows_autocast():
+    """Under torch.autocast the fused linear cross-entropy's GEMM runs in the
+    autocast dtype, as F.linear's does (a custom op gets no autocast cast: it
+    ran in fp32, another answer than the model's own head under autocast);
+    the gradients reach the fp32 parameters in fp32."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    from tensor_ops.torch import fused_linear_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(12, 32, requires_grad=True)
+    W = (torch.randn(50, 32) * 0.5).requires_grad_()
+    target = torch.randint(0, 50, (12,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.cross_entropy(F.linear(h, W).float(), target)
+        got = fused_linear_cross_entropy(h, W, target)
+    exact = F.cross_entropy(F.linear(h.double(), W.double()), target)
+    gw_want, = torch.autograd.grad(want, W)
+    gw, gh = torch.autograd.grad(got, (W, h))
+    assert gw.dtype == gh.dtype == torch.float32
+    # bf16 logits: as far from the fp32 / float64 answer as torch's own under autocast, and close to it
+    assert abs(got.item() - want.item()) < 2e-3 * abs(want.item())
+    assert abs(got.item() - exact.item()) > 1e-6  # not the fp32 GEMM's answer
+    torch.testing.assert_close(gw, gw_want, rtol=3e-2, atol=3e-3)

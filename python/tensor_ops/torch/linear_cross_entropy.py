@@ -192,6 +192,14 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, b
     bias [V] or None. chunk_size: rows per chunk (default
     tensor_ops.linear_cross_entropy.default_chunk_size). label_smoothing,
     z_loss and softcap as tensor_ops.cross_entropy's."""
+    device = hidden.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        # Under autocast the logits GEMM runs in the autocast dtype, as F.linear's would (a custom
+        # op gets no autocast cast of its own: it ran in fp32, slower, and with torch's fp16 overflow
+        # pattern under GradScaler changed); the gradients reach fp32 parameters through the casts.
+        dt = torch.get_autocast_dtype(device)
+        hidden, weight = hidden.to(dt), weight.to(dt)
+        bias = None if bias is None else bias.to(dt)
     hidden2, target1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     ignore_index, reduction, chunk_size = _lce.check_args(hidden2, weight, target1, bias, ignore_index, reduction,
                                                           chunk_size)
