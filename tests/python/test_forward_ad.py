@@ -329,3 +329,35 @@ def test_out_lane_on_a_torch_whose_version_counter_takes_one_tensor(monkeypatch)
     v = o._version
     assert tensor_ops.silu(x, out=o) is o and o._version > v
     torch.testing.assert_close(o, F.silu(x))
+
+
+@pytest.mark.parametrize("causal,alignment,lq,lk", [(False, "bottom_right", 5, 7), (True, "bottom_right", 5, 7),
+                                                     (True, "top_left", 6, 6), (True, "bottom_right", 6, 4)])
+def test_attention_lse_is_differentiable(causal, alignment, lq, lk):
+    """Note [the log-sum-exp's gradient] (custom_ops.py): a loss that uses
+    attention's lse (return_lse=True: merging partial attentions, a z-loss)
+    lost that term of its gradients silently (lse recorded no gradient)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, lq, 8), torch.randn(2, 2, lk, 8), torch.randn(2, 2, lk, 8)
+    c, cl = torch.randn(2, 4, lq, 8), torch.randn(2, 4, lq)
+
+    def ref(q, k, v):
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        s = q @ kk.transpose(-1, -2) / math.sqrt(8)
+        if causal:
+            keep = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq if alignment == "bottom_right" else 0)
+            s = s.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        seen = torch.isfinite(lse)
+        p = torch.where(seen[..., None], torch.exp(s - torch.where(seen, lse, 0.0)[..., None]), 0.0)
+        return p @ vv, torch.where(seen, lse, 0.0)
+
+    r = [t.double().requires_grad_() for t in (q, k, v)]
+    o_ref, lse_ref = ref(*r)
+    ((o_ref * c.double()).sum() + (lse_ref * cl.double()).sum()).backward()
+    g = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = tt.attention(*g, causal=causal, causal_alignment=alignment, return_lse=True)
+    seen = torch.isfinite(lse)
+    ((o * c).sum() + (torch.where(seen, lse, 0.0) * cl).sum()).backward()
+    for got, want in zip(g, r):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)

@@ -613,11 +613,15 @@ def test_cross_entropy_leaf_gradient_is_the_forward_buffer(monkeypatch, eager_pa
     assert rel_err(logits.grad, 1.5 * first) < 1e-6
 
 
-def test_attention_lse_is_float32_and_not_differentiable(eager_path):
+def test_attention_lse_is_float32_and_differentiable(eager_path):
+    """lse records its gradient (Note [the log-sum-exp's gradient]); it was
+    non-differentiable, and a loss using it lost that term silently."""
     q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
     out, lse = tt.attention(q, q, q, return_lse=True)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (1, 2, 4)
-    assert out.requires_grad and not lse.requires_grad
+    assert out.requires_grad and lse.requires_grad
+    lse.sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and bool(q.grad.abs().sum() > 0)
 
 
 def test_strided_inputs_and_gradients(eager_path):

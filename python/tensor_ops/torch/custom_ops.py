@@ -744,6 +744,60 @@ _register(attention,
           _attention_setup, _attention_bwd)
 
 
+# Note [the log-sum-exp's gradient]
+# attention's lse output records no gradient of its own (the kernels' backward
+# takes dout only; a model's attention never reads it). A caller who asks for
+# it (functional.attention(..., return_lse=True)) may use it: merging partial
+# attentions over key blocks (ring / flash-decoding style), a z-loss. Its term
+# was silently dropped from their gradients. So such a call's lse goes through
+# LseGrad: the same values forward, and backward dlse's gradients in torch's
+# ops, d lse_i = sum_j P_ij d s_ij with s = scale q k^T: dq = scale (dlse P) k,
+# dk = scale (dlse P)^T q, summed over each kv head's query heads. P is
+# recomputed from q, k and lse (O(Lq Lk) memory per head: only when lse's
+# gradient is asked for; a None / unused lse costs nothing).
+class LseGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(lse, q, k, mode, scale):
+        return lse.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        lse, q, k, mode, scale = inputs
+        ctx.save_for_backward(lse, q, k)
+        ctx.mode, ctx.scale = mode, scale
+        ctx.set_materialize_grads(False)
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def backward(ctx, dlse):  # torch's ops: differentiable again (create_graph) as they are
+        if dlse is None:
+            return None, None, None, None, None
+        lse, q, k = ctx.saved_tensors
+        g = q.shape[1] // k.shape[1]
+        qf, kf = q.float(), k.float().repeat_interleave(g, 1)
+        s = torch.matmul(qf, kf.transpose(-1, -2)) * ctx.scale
+        if ctx.mode:
+            lq, lk = s.shape[-2:]
+            keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq if ctx.mode == 1 else 0)
+            s = s.masked_fill(~keep, float("-inf"))
+        seen = torch.isfinite(lse)[..., None]  # a row with no key: lse -inf, P 0
+        p = torch.where(seen, torch.exp(s - torch.where(seen, lse[..., None], 0.0)), 0.0)
+        w = p * dlse.float()[..., None]
+        dq = torch.matmul(w, kf) * ctx.scale
+        dk = torch.matmul(w.transpose(-1, -2), qf) * ctx.scale
+        dk = dk.view(k.shape[0], k.shape[1], g, *dk.shape[2:]).sum(2)
+        return None, dq.to(q.dtype), dk.to(k.dtype), None, None
+
+
+def lse_with_gradient(lse, q, k, causal, scale, causal_alignment):
+    """lse as LseGrad gives it (Note [the log-sum-exp's gradient])."""
+    mode = _CAUSAL_MODES[causal_alignment] if causal else 0
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[3])
+    return LseGrad.apply(lse, q, k, mode, float(scale))
+
+
 # Note [ignored rows at an infinite loss scale]
 # torch's cross-entropy backward leaves an ignored row's gradient at exactly
 # 0 whatever the incoming gradient; ours scales the forward's gradient (0 on

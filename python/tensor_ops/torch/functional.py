@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from . import forward_ad
-from .custom_ops import DIRECT, FUNCTIONS, FUNCTIONS_FUNC, LOWERED, OPS, direct_lane
+from .custom_ops import DIRECT, FUNCTIONS, FUNCTIONS_FUNC, LOWERED, OPS, direct_lane, lse_with_gradient
 
 # Plain tensors in eager mode take the autograd.Function (or, with no
 # gradient to record, the kernel itself); tests turn this off to drive the
@@ -147,9 +147,14 @@ def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, *, r
     k/v allowed); causal_alignment "bottom_right" (query i sees keys j <= i +
     Lk - Lq; a query that sees none gives a zero row with zero gradients) or
     "top_left" (j <= i, SDPA's is_causal); with return_lse also the float32
-    log-sum-exp [batch, heads, seq] (no gradient)."""
+    log-sum-exp [batch, heads, seq], differentiable with respect to q and k
+    (Note [the log-sum-exp's gradient])."""
     out, lse = _run("attention", q, k, v, causal, scale, causal_alignment)
-    return (out, lse) if return_lse else out
+    if not return_lse:
+        return out
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):  # Note [the log-sum-exp's gradient]
+        lse = lse_with_gradient(lse, q, k, causal, scale, causal_alignment)
+    return out, lse
 
 
 def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean", *,
