@@ -361,3 +361,42 @@ def test_attention_lse_is_differentiable(causal, alignment, lq, lk):
     ((o * c).sum() + (torch.where(seen, lse, 0.0) * cl).sum()).backward()
     for got, want in zip(g, r):
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_lse_second_derivative_and_transforms():
+    """LseGrad's backward is torch's ops on P = softmax(s): a second
+    derivative through it (create_graph) matched torch's logsumexp only when
+    P came from s itself (from the saved lse it was 0.13 off on 0.9);
+    vmap over a call that uses lse keeps its term (the batched q showed no
+    requires_grad: it was dropped); torch.func.jvp of lse works."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    c = torch.randn(1, 2, 5, 8)
+
+    def lse_ref(qq):
+        return torch.logsumexp(qq @ k.double().transpose(-1, -2) / math.sqrt(8), -1)
+
+    qr = q.double().requires_grad_()
+    g_ref, = torch.autograd.grad(lse_ref(qr).sum(), qr, create_graph=True)
+    h_ref, = torch.autograd.grad((g_ref * c.double()).sum(), qr)
+    qg = q.clone().requires_grad_()
+    g, = torch.autograd.grad(tt.attention(qg, k, v, return_lse=True)[1].sum(), qg, create_graph=True)
+    h, = torch.autograd.grad((g * c).sum(), qg)
+    torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(h.double(), h_ref, rtol=1e-4, atol=1e-6)
+    # vmap of a function using lse, then backward: the same as a loop
+    qb = torch.randn(3, 1, 2, 5, 8, requires_grad=True)
+    f = lambda x: tt.attention(x, k, v, return_lse=True)[1].sum()  # noqa: E731
+    torch.func.vmap(f)(qb).sum().backward()
+    looped = torch.stack([_grad_of(f, qb[i].detach()) for i in range(3)])
+    torch.testing.assert_close(qb.grad, looped, rtol=1e-5, atol=1e-6)
+    # forward mode through lse
+    t = torch.randn_like(q)
+    _, tan = torch.func.jvp(lambda x: tt.attention(x, k, v, return_lse=True)[1], (q,), (t,))
+    _, want = torch.func.jvp(lambda x: lse_ref(x), (q.double(),), (t.double(),))
+    torch.testing.assert_close(tan.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def _grad_of(f, x):
+    x = x.requires_grad_()
+    return torch.autograd.grad(f(x), x)[0]

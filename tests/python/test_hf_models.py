@@ -1469,3 +1469,25 @@ def test_activation_subclass_with_its_own_forward_is_not_taken_for_its_base():
     assert hf.activation_kind(QuickGELU()) is None and hf.activation_kind(Quick2()) is None
     assert hf.activation_kind(nn.GELU(approximate="tanh")) == "gelu_tanh" and hf.activation_kind(Plain()) == "gelu_tanh"
     assert hf.activation_kind(nn.SiLU()) == "silu"
+
+
+def test_torch_silu_activation_families_keep_their_fusion():
+    """hidden_act="swish" gives torch's nn.SiLU, which prepare_model makes
+    ours before the HF swaps: activation_kind must take our class (it refused
+    it after the exact-forward check: Phi-3's gate_up and GPT-NeoX's
+    epilogue were left unfused)."""
+    from tensor_ops.torch import modules as tm
+
+    assert hf.activation_kind(tm.SiLU()) == "silu" and hf.activation_kind(tm.GELU(approximate="tanh")) == "gelu_tanh"
+
+    class KeepsForward(nn.GELU):
+        def __init__(self):
+            super().__init__(approximate="tanh")
+
+    assert hf.activation_kind(KeepsForward()) == "gelu_tanh"
+    cfg = config("gpt_neox")
+    cfg.hidden_act = "swish"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    _, result = prepared(model)
+    assert any("silu epilogue" in a for a in result.optimizations_applied), result.optimizations_applied

@@ -781,8 +781,11 @@ class LseGrad(torch.autograd.Function):
             lq, lk = s.shape[-2:]
             keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq if ctx.mode == 1 else 0)
             s = s.masked_fill(~keep, float("-inf"))
-        seen = torch.isfinite(lse)[..., None]  # a row with no key: lse -inf, P 0
-        p = torch.where(seen, torch.exp(s - torch.where(seen, lse[..., None], 0.0)), 0.0)
+        # P as the softmax of s itself (not exp(s - lse): the saved lse is a constant to autograd, and a
+        # second derivative through this backward dropped its dependence on q and k); a row with no key
+        # (lse -inf) has P 0
+        seen = torch.isfinite(lse)[..., None]
+        p = torch.where(seen, torch.softmax(torch.where(seen, s, 0.0), -1), 0.0)
         w = p * dlse.float()[..., None]
         dq = torch.matmul(w, kf) * ctx.scale
         dk = torch.matmul(w.transpose(-1, -2), qf) * ctx.scale

@@ -152,8 +152,14 @@ def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, *, r
     out, lse = _run("attention", q, k, v, causal, scale, causal_alignment)
     if not return_lse:
         return out
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):  # Note [the log-sum-exp's gradient]
-        lse = lse_with_gradient(lse, q, k, causal, scale, causal_alignment)
+    # Note [the log-sum-exp's gradient]: the kernels' lse (not one torch's ops made: forward-mode AD's);
+    # under torch.func (vmap) the wrapped tensors do not show requires_grad: wrapped there too, but not
+    # under a jvp transform (torch's ops made that lse, and LseGrad has no forward rule)
+    if torch.is_grad_enabled() and not lse.requires_grad:
+        level = _functorch_level()
+        if (q.requires_grad or k.requires_grad or level is not None) and not (
+                level is not None and forward_ad.jvp_transform()):
+            lse = lse_with_gradient(lse, q, k, causal, scale, causal_alignment)
     return out, lse
 
 

@@ -167,10 +167,12 @@ def _pair_kind(lin: nn.Module, act: nn.Module):
     ours), act nn.GELU / nn.SiLU (or ours), neither hooked."""
     if plain_linear_layout(lin) != "nk":
         return None
-    t = type(act)  # exactly torch's (or ours): a subclass (CLIP's QuickGELU(nn.GELU)) computes its own function
-    if t is nn.GELU or t is _ModulesGELU:
+    # torch's (or ours), or a subclass keeping its forward: one with its own (CLIP's QuickGELU(nn.GELU))
+    # computes another function
+    t = type(act)
+    if isinstance(act, nn.GELU) and (t.forward is nn.GELU.forward or t is _ModulesGELU):
         kind = "gelu_tanh" if act.approximate == "tanh" else "gelu"
-    elif t is nn.SiLU or t is _ModulesSiLU:
+    elif isinstance(act, nn.SiLU) and (t.forward is nn.SiLU.forward or t is _ModulesSiLU):
         kind = "silu"
     else:
         return None

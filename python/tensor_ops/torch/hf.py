@@ -104,9 +104,9 @@ def activation_kind(act: Optional[nn.Module]) -> Optional[str]:
     # The class whose function is named must also be the one whose forward runs: a subclass with a
     # forward of its own (CLIP's QuickGELU(nn.GELU)) computes something else.
     forward = type(act).forward
-    if isinstance(act, nn.GELU) and forward is nn.GELU.forward:
+    if isinstance(act, nn.GELU) and (forward is nn.GELU.forward or type(act) is modules.GELU):
         return "gelu_tanh" if act.approximate == "tanh" else "gelu"
-    if isinstance(act, nn.SiLU) and forward is nn.SiLU.forward:
+    if isinstance(act, nn.SiLU) and (forward is nn.SiLU.forward or type(act) is modules.SiLU):
         return "silu"
     for cls in type(act).__mro__:
         if cls.__module__.startswith("transformers.") and cls.__name__ in HF_ACTIVATIONS:

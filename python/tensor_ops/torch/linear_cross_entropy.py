@@ -193,7 +193,7 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, b
     tensor_ops.linear_cross_entropy.default_chunk_size). label_smoothing,
     z_loss and softcap as tensor_ops.cross_entropy's."""
     device = hidden.device.type
-    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device) and hidden.dtype != torch.float64:
         # Under autocast the logits GEMM runs in the autocast dtype, as F.linear's would (a custom
         # op gets no autocast cast of its own: it ran in fp32, slower, and with torch's fp16 overflow
         # pattern under GradScaler changed); the gradients reach fp32 parameters through the casts.
