@@ -57,6 +57,23 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
 
 // Two passes for the statistics (mean, then the centred variance: no
 // cancellation), one for the output. b is NULL without a bias.
+//
+// Note [layer_norm's corrected mean] (GPU): the fp32 mean m of a row is a
+// few ulps of |m| off (its lane sums are rounded), and every output carries
+// that error times rstd: a constant row (variance 0, rstd 1 / sqrt(eps))
+// of 1.7 at 7 columns gave the bias + 4.7e-5, and the backward's x_hat was
+// as far from 0 (dweight 5.7, not 0, for rows of 12345.678 at 40000
+// columns). The variance pass also sums the deviations d = x - m (exact
+// for x near m), whose mean is m's error: the mean is m + sum(d) / n and
+// the variance sum(d^2) / n - (sum(d) / n)^2 (the corrected two-pass
+// algorithm, as the CPU backend's layer_corrected). A constant row c gives
+// m + (c - m) = c and variance 0 exactly, so x - mean is 0 and y is the
+// bias. The forward and both backward kernels correct alike. No pass more
+// over the row: a second sum in the variance pass, one more reduction.
+__device__ __forceinline__ float corrected_mean(float m, float dev_sum, int64_t cols, double& shift) {
+  shift = double(dev_sum) / double(cols);
+  return m + float(shift);
+}
 template <class T, int V, bool Grouped>
 __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThreads)
     layer_norm_kernel(const T* x, int64_t x_stride, const T* __restrict__ w, const T* __restrict__ b, T* y,
@@ -79,13 +96,22 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
 #pragma unroll
       for (int k = 0; k < kWidth<decltype(c)>; ++k) part += c[k];
     }, xr);
-    const float mean = float(double(group_sum(g, part)) / double(cols));
+    const float m = float(double(group_sum(g, part)) / double(cols));
     part = 0.0f;
+    float dev = 0.0f;
     for_chunks(g, in_registers, false, s, a, [&](int64_t, const auto& c) {
 #pragma unroll
-      for (int k = 0; k < kWidth<decltype(c)>; ++k) part += (c[k] - mean) * (c[k] - mean);
+      for (int k = 0; k < kWidth<decltype(c)>; ++k) {
+        const float d = c[k] - m;
+        part += d * d;
+        dev += d;
+      }
     }, xr);
-    const float rstd = float(1.0 / sqrt(double(group_sum(g, part)) / double(cols) + double(eps)));
+    // Note [layer_norm's corrected mean] (GPU).
+    double shift;
+    const float mean = corrected_mean(m, group_sum(g, dev), cols, shift);
+    const double var = fmax(double(group_sum(g, part)) / double(cols) - shift * shift, 0.0);
+    const float rstd = float(1.0 / sqrt(var + double(eps)));
     for_chunks(g, in_registers, false, s, a, [&](int64_t e, auto& c) {
       constexpr int n = kWidth<decltype(c)>;
       float wv[n], bv[n] = {};
@@ -198,6 +224,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       mean = float(double(block_sum(part)) / double(cols));
       part = 0.0f;
     }
+    float dev = 0.0f;
 #pragma unroll
     for (int j = 0; j < K; ++j)
       if (has[j])
@@ -205,8 +232,13 @@ __global__ void __launch_bounds__(kBackwardThreads)
         for (int k = 0; k < V; ++k) {
           const float d = to_f32(xc[j].v[k]) - mean;
           part += d * d;
+          if (Layer) dev += d;
         }
-    const float rstd = float(1.0 / sqrt(double(block_sum(part)) / double(cols) + double(eps)));
+    // Note [layer_norm's corrected mean] (GPU): the forward's mean and variance.
+    double shift = 0.0;
+    if (Layer) mean = corrected_mean(mean, block_sum(dev), cols, shift);
+    const float rstd =
+        float(1.0 / sqrt(fmax(double(block_sum(part)) / double(cols) - shift * shift, 0.0) + double(eps)));
     // c1 = mean(g * x_hat), c2 = mean(g) with g = dy * (w + offset) (rms_norm's
     // offset; -0.0f for none, as in rms_norm_kernel). g is rounded to
     // fp32 the same way here and below (mul_rn: never fused into an FMA), so
@@ -280,13 +312,22 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       mean = float(double(block_sum(part)) / double(cols));
       part = 0.0f;
     }
+    float dev = 0.0f;
     for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
       float a[V];
       load_chunk(xr, i, a);
 #pragma unroll
-      for (int k = 0; k < V; ++k) part += (a[k] - mean) * (a[k] - mean);
+      for (int k = 0; k < V; ++k) {
+        const float d = a[k] - mean;
+        part += d * d;
+        if (Layer) dev += d;
+      }
     }
-    const float rstd = float(1.0 / sqrt(double(block_sum(part)) / double(cols) + double(eps)));
+    // Note [layer_norm's corrected mean] (GPU): the forward's mean and variance.
+    double shift = 0.0;
+    if (Layer) mean = corrected_mean(mean, block_sum(dev), cols, shift);
+    const float rstd =
+        float(1.0 / sqrt(fmax(double(block_sum(part)) / double(cols) - shift * shift, 0.0) + double(eps)));
     float p1 = 0.0f, p2 = 0.0f;
     for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
       float a[V], g[V], wv[V];

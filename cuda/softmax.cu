@@ -61,10 +61,13 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     }
     float sum;
     const float row_max = group_max_sum(g, m, s, &sum);
-    // log: v - (max + log(sum)); else exp(v - max) / sum. v = x * scale is
+    // log: (v - max) - log(sum); else exp(v - max) / sum. v = x * scale is
     // rounded alike in both passes (mul_rn, never fused into the subtraction),
     // so the row's max element gives exactly -log(sum) (0 for one column).
-    const float shift = log ? row_max + logf(sum) : row_max;
+    // Not v - (max + log(sum)): where log(sum) is under half an ulp of max
+    // (|max| from 2^25 for five columns), max + log(sum) rounds it away (a
+    // row of five 7e9 gave 0, not -log(5)).
+    const float lsum = log ? logf(sum) : 0.0f;
     const float inv = 1.0f / sum;
     const float masked = log ? kNegInf : 0.0f;
     // keep_exp: this thread's exp(v - m) to the row's (exactly 1 / sum where m is the row max).
@@ -72,8 +75,8 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
     for_chunks(g, in_registers, false, sp, a, [&](int64_t e, auto& b) {
 #pragma unroll
       for (int k = 0; k < kWidth<decltype(b)>; ++k) {
-        const float v = mul_rn(b[k], scale) - shift;
-        b[k] = e + k >= valid ? masked : (keep_exp ? b[k] * own : (log ? v : expf(v) * inv));
+        const float v = mul_rn(b[k], scale) - row_max;
+        b[k] = e + k >= valid ? masked : (keep_exp ? b[k] * own : (log ? v - lsum : expf(v) * inv));
       }
       store_at(yr, e, b);
     }, xr);
