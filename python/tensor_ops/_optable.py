@@ -27,7 +27,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 
 from . import _C
-from ._arrays import FAST_NP, POOL_OUTPUT_BYTES, TORCH_TYPES, Arg, call, empty_like, fast_out, run
+from ._arrays import (FAST_NP, POOL_OUTPUT_BYTES, TORCH_TYPES, Arg, bump_torch_version, call, empty_like, fast_out,
+                      run)
 from .errors import DTypeError, LayoutError, TensorOpsError, UnsupportedError
 
 
@@ -73,25 +74,22 @@ TABLE: dict[str, OpEntry] = {
 }
 
 _NONES = {1: (None,), 2: (None, None), 3: (None, None, None)}
-_increment_version = None  # torch._C._increment_version, set on the first torch out= (torch may be absent)
-
-
-def _torch_increment_version():
-    """torch._C._increment_version taking a tuple of tensors (torch 2.5 and
-    later); torch 2.4's takes one tensor (torch.autograd.graph.increment_version
-    hides the difference, at ~0.3 us more per call)."""
-    global _increment_version
-    import torch
-
-    bump = torch._C._increment_version
-    try:
-        bump((torch.empty(0),))
-        _increment_version = bump
-    except (TypeError, RuntimeError):  # torch 2.4
-        _increment_version = lambda ts: bump(ts[0])  # noqa: E731
-    return _increment_version
 _ndarray = np.ndarray
 _np_empty = np.empty
+
+
+def _same_kind(e: OpEntry, arrays: tuple, kinds, dt) -> bool:
+    """Every array argument of one of `kinds` and of dtype dt (the index
+    argument any dtype; the optional one may be None)."""
+    for i, a in enumerate(arrays):
+        if type(a) not in kinds or (a.dtype != dt and i != e.index):
+            if a is None and i == e.optional:
+                continue
+            return False
+    return True
+
+
+_NP_KIND = (_ndarray,)
 
 
 def _fast(e: OpEntry, arrays: tuple, extra: tuple):
@@ -104,12 +102,8 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
         dt = x.dtype
         if dt not in FAST_NP:
             return None
-        if len(arrays) > 1:
-            for i, a in enumerate(arrays):
-                if type(a) is not _ndarray or (a.dtype != dt and i != e.index):
-                    if a is None and i == e.optional:
-                        continue
-                    return None
+        if len(arrays) > 1 and not _same_kind(e, arrays, _NP_KIND, dt):
+            return None
         if e.shape is not None:
             return _into(e, arrays, (_np_empty(e.shape(arrays, extra), dt),), extra)
         if len(like) == 1:
@@ -124,12 +118,8 @@ def _fast(e: OpEntry, arrays: tuple, extra: tuple):
     # A weight is usually an nn.Parameter: any plain torch type qualifies. A
     # tensor that requires grad is read as its data (the op API records no
     # autograd: tensor_ops.torch does), as the general lane's detach() would.
-    if len(arrays) > 1:
-        for i, a in enumerate(arrays):
-            if type(a) not in TORCH_TYPES or (a.dtype != dt and i != e.index):
-                if a is None and i == e.optional:
-                    continue
-                return None
+    if len(arrays) > 1 and not _same_kind(e, arrays, TORCH_TYPES, dt):
+        return None
     try:
         made = e.fn(*arrays, *_NONES[len(like)], *extra)
         if made is not None:
@@ -169,20 +159,6 @@ def torch_call(name: str, arrays: tuple, extra: tuple):
         return None
 
 
-def _same_kind(e: OpEntry, arrays: tuple, kinds, dt) -> bool:
-    """Every array argument of one of `kinds` and of dtype dt (the index
-    argument any dtype; the optional one may be None)."""
-    for i, a in enumerate(arrays):
-        if type(a) not in kinds or (a.dtype != dt and i != e.index):
-            if a is None and i == e.optional:
-                continue
-            return False
-    return True
-
-
-_NP_KIND = (_ndarray,)
-
-
 def _fast_into(e: OpEntry, arrays: tuple, extra: tuple, out):
     """The fast lane with out= (Note [out= on the fast lane]): out, or None
     when the call does not qualify or the core refused (the general lane
@@ -204,7 +180,7 @@ def _fast_into(e: OpEntry, arrays: tuple, extra: tuple, out):
         e.fn(*arrays, out, *extra)
     except (LayoutError, UnsupportedError, DTypeError):
         return None
-    (_increment_version or _torch_increment_version())((out,))  # torch's version counter, as bump_version
+    bump_torch_version(out)  # torch's version counter, as the general lane's bump_version
     return out
 
 

@@ -158,7 +158,6 @@ def _records_autograd(values) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in values)
 
 
-
 _FUNCTIONAL: dict = {}  # name -> (functional op, its parameter names, the native op's defaults)
 
 

@@ -314,7 +314,7 @@ def test_widened_half_linear_carries_tangents(dtype, monkeypatch):
 def test_out_lane_on_a_torch_whose_version_counter_takes_one_tensor(monkeypatch):
     """torch 2.4's torch._C._increment_version takes one tensor, not a tuple
     (pyproject allows torch>=2.4): the out= fast lane works there too."""
-    from tensor_ops import _optable
+    from tensor_ops import _arrays
 
     real = torch._C._increment_version
 
@@ -324,7 +324,7 @@ def test_out_lane_on_a_torch_whose_version_counter_takes_one_tensor(monkeypatch)
         real(t)
 
     monkeypatch.setattr(torch._C, "_increment_version", one_tensor)
-    monkeypatch.setattr(_optable, "_increment_version", None)
+    monkeypatch.setattr(_arrays, "_increment_version", None)
     x, o = torch.randn(3, 8), torch.empty(3, 8)
     v = o._version
     assert tensor_ops.silu(x, out=o) is o and o._version > v

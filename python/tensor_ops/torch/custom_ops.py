@@ -39,6 +39,7 @@ from torch._C import _functions as _autograd_functions
 import tensor_ops as _to
 from tensor_ops._arrays import note_torch
 from tensor_ops._optable import torch_call
+from tensor_ops._xla_torch import _causal_keep
 
 note_torch()  # torch tensors take the routing's fast lane (torch may be imported after tensor_ops)
 
@@ -778,9 +779,7 @@ class LseGrad(torch.autograd.Function):
         qf, kf = q.float(), k.float().repeat_interleave(g, 1)
         s = torch.matmul(qf, kf.transpose(-1, -2)) * ctx.scale
         if ctx.mode:
-            lq, lk = s.shape[-2:]
-            keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq if ctx.mode == 1 else 0)
-            s = s.masked_fill(~keep, float("-inf"))
+            s = s.masked_fill(~_causal_keep(s.shape[-2], s.shape[-1], s.device, ctx.mode), float("-inf"))
         # P as the softmax of s itself (not exp(s - lse): the saved lse is a constant to autograd, and a
         # second derivative through this backward dropped its dependence on q and k); a row with no key
         # (lse -inf) has P 0

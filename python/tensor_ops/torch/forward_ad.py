@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from .. import _xla_torch as _ref
 from ..errors import UnsupportedError
+from ..ops import causal_mode
 
 # Note [forward-mode AD]
 # Our kernels read a tensor's data: a dual tensor's tangent (torch.autograd.
@@ -24,12 +25,6 @@ from ..errors import UnsupportedError
 # to be differentiated]): a tangent there raises.
 
 
-def _causal_mode(causal, alignment):
-    if not causal:
-        return 0
-    return {"bottom_right": 1, "top_left": 2}[alignment]
-
-
 _REFERENCE = {
     "rms_norm": lambda x, w, eps, offset: _ref.rms_norm(x, w, eps, offset),
     "layer_norm": lambda x, w, b, eps: _ref.layer_norm(x, w, b, eps),
@@ -41,17 +36,12 @@ _REFERENCE = {
     "softmax": lambda x, dim, scale, causal: _ref.softmax(x, dim, scale, 1 if causal else 0, False),
     "log_softmax": lambda x, dim, scale, causal: _ref.softmax(x, dim, scale, 1 if causal else 0, True),
     "rope": lambda x, cos, sin, positions, interleaved: _ref.rope(x, cos, sin, positions, interleaved, False),
-    "attention": lambda q, k, v, causal, scale, alignment: _ref.attention(q, k, v, _causal_mode(causal, alignment),
+    "attention": lambda q, k, v, causal, scale, alignment: _ref.attention(q, k, v, causal_mode(causal, alignment),
                                                                           scale),
     "cross_entropy": lambda z, t, ignore_index, reduction, ls, zl, softcap: _ref.cross_entropy(
         z, t, ignore_index, reduction, ls, zl, softcap or 0.0),
     "linear": lambda x, w, b, layout: F.linear(x, w if layout == "nk" else w.t(), b),
 }
-
-
-def level() -> int:
-    """The forward-AD dual level (-1 outside torch.autograd.forward_ad.dual_level())."""
-    return _fwad._current_level
 
 
 def has_tangent(args) -> bool:

@@ -167,16 +167,21 @@ def _pair_kind(lin: nn.Module, act: nn.Module):
     ours), act nn.GELU / nn.SiLU (or ours), neither hooked."""
     if plain_linear_layout(lin) != "nk":
         return None
-    # torch's (or ours), or a subclass keeping its forward: one with its own (CLIP's QuickGELU(nn.GELU))
-    # computes another function
+    kind = torch_activation_kind(act)
+    return None if kind is None or hooked(lin) or hooked(act) else kind
+
+
+def torch_activation_kind(act: nn.Module):
+    """"gelu", "gelu_tanh" or "silu" for torch's nn.GELU / nn.SiLU (or ours),
+    or a subclass keeping its forward; None for anything else: a subclass
+    with a forward of its own (CLIP's QuickGELU(nn.GELU)) computes another
+    function."""
     t = type(act)
     if isinstance(act, nn.GELU) and (t.forward is nn.GELU.forward or t is _ModulesGELU):
-        kind = "gelu_tanh" if act.approximate == "tanh" else "gelu"
-    elif isinstance(act, nn.SiLU) and (t.forward is nn.SiLU.forward or t is _ModulesSiLU):
-        kind = "silu"
-    else:
-        return None
-    return None if hooked(lin) or hooked(act) else kind
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    if isinstance(act, nn.SiLU) and (t.forward is nn.SiLU.forward or t is _ModulesSiLU):
+        return "silu"
+    return None
 
 
 def plain_linear_layout(lin: nn.Module):

@@ -77,7 +77,7 @@ except ImportError as e:  # pragma: no cover - exercised without transformers on
 from . import functional as ops
 from . import modules, swap_check
 from .flash_attention import _additive, scaled_dot_product_attention
-from .fused_linear import hooked, linear_activation, plain_linear_layout
+from .fused_linear import hooked, linear_activation, plain_linear_layout, torch_activation_kind
 from .linear_cross_entropy import fused_linear_cross_entropy as _flce
 
 _log = logging.getLogger("tensor_ops")
@@ -101,13 +101,12 @@ def activation_kind(act: Optional[nn.Module]) -> Optional[str]:
         return None
     if getattr(act, "_tensor_ops_act", None):
         return act._tensor_ops_act
+    kind = torch_activation_kind(act)
+    if kind is not None:
+        return kind
     # The class whose function is named must also be the one whose forward runs: a subclass with a
-    # forward of its own (CLIP's QuickGELU(nn.GELU)) computes something else.
+    # forward of its own computes something else.
     forward = type(act).forward
-    if isinstance(act, nn.GELU) and (forward is nn.GELU.forward or type(act) is modules.GELU):
-        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
-    if isinstance(act, nn.SiLU) and (forward is nn.SiLU.forward or type(act) is modules.SiLU):
-        return "silu"
     for cls in type(act).__mro__:
         if cls.__module__.startswith("transformers.") and cls.__name__ in HF_ACTIVATIONS:
             return HF_ACTIVATIONS[cls.__name__] if forward is cls.forward else None

@@ -139,13 +139,9 @@ _CLASS_SWAPS = {nn.RMSNorm: modules.RMSNorm, nn.LayerNorm: modules.LayerNorm, nn
 # The per-module state a replacement takes over from the module it replaces:
 # hooks registered before prepare_model keep firing (they were dropped), and
 # the train / eval mode is the model's (a new module is in training mode).
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
-
-
 def _carry_over(old: nn.Module, new: nn.Module) -> None:
     new.train(old.training)
-    for name in _HOOK_DICTS:
+    for name in swap_check.CALL_HOOKS:
         hooks = getattr(old, name, None)
         if hooks:
             getattr(new, name).update(hooks)

@@ -58,7 +58,8 @@ def names_mismatch(m: nn.Module, allowed: FrozenSet[str]) -> Optional[str]:
 
 _STATE_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                 "_load_state_dict_post_hooks")
-_CALL_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+# A module's hook dicts that run when it is called (prepare._carry_over moves them to a replacement).
+CALL_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
 
 
@@ -75,7 +76,7 @@ def state_left_behind(m: nn.Module, *dropped: nn.Module) -> Optional[str]:
     if hooks:
         return f"it has state_dict / load hooks ({', '.join(hooks)}) that the replacement would not keep"
     for d in dropped:
-        if any(getattr(d, h, None) for h in _CALL_HOOKS) or "forward" in d.__dict__:
+        if any(getattr(d, h, None) for h in CALL_HOOKS) or "forward" in d.__dict__:
             return f"its {type(d).__name__} has hooks, and the replacement computes it without calling it"
     return None
 
@@ -90,7 +91,7 @@ class _Quiet:
         self.m = m
 
     def __enter__(self):
-        self.saved = [(mod, mod.training, {h: getattr(mod, h) for h in _CALL_HOOKS if getattr(mod, h, None)})
+        self.saved = [(mod, mod.training, {h: getattr(mod, h) for h in CALL_HOOKS if getattr(mod, h, None)})
                       for mod in self.m.modules()]
         for mod, _, hooks in self.saved:
             mod.training = False
