@@ -1110,6 +1110,27 @@ def test_jit_trace_of_prepared_modules(grad):
         assert rel_err(traced(x2), ref(x2)) < 1e-5
 
 
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("rows", [1, 32])
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_jit_trace_of_fused_linear_activation(act, rows, grad):
+    """The fused Linear + activation (FusedLinearGELU / SiLU, prepare_model_with_custom_kernels,
+    GPT-2's c_fc + GELU at O1) traced with torch.jit.trace: the activation written over the GEMM's
+    output in place (tensor_ops.gelu(out=h)) is no dispatcher op, and the trace held the plain
+    Linear (1.9 off for GELU) when no gradient was recorded."""
+    torch.manual_seed(0)
+    m = (tt.FusedLinearSiLU(16, 8) if act == "silu" else
+         tt.FusedLinearGELU(16, 8, approximate="tanh" if act == "gelu_tanh" else "none")).eval()
+    torch_act = (F.silu if act == "silu" else
+                 functools.partial(F.gelu, approximate="tanh" if act == "gelu_tanh" else "none"))
+    x = torch.randn(rows, 16) * 3
+    with torch.set_grad_enabled(grad):
+        traced = torch.jit.trace(m, (x,))
+    with torch.no_grad():
+        for inp in (x, torch.randn(rows, 16) * 3 + 1):
+            assert rel_err(traced(inp), torch_act(F.linear(inp, m.weight, m.bias))) < 1e-5
+
+
 def test_meta_tensors_take_the_fake_kernels():
     """Meta tensors (shape inference, init_empty_weights-style models): the
     functional ops and prepared modules give meta outputs of torch's shapes,

@@ -30,6 +30,7 @@ from .modules import SiLU as _ModulesSiLU
 from .modules import _KERNEL_DTYPES, _log_torch_dtype, _widened_gemm, half_mm, linear_max_rows, linear_rows, widens
 
 _log = logging.getLogger("tensor_ops")
+_tracing_state = torch._C._get_tracing_state  # torch.jit.trace under way: not None
 
 
 def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
@@ -106,9 +107,13 @@ def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias=None, activati
         _log_torch_dtype(FusedLinearGELU if activation != "silu" else FusedLinearSiLU, "F.linear + activation", x.dtype)
         h = F.linear(x, weight, bias)
         return F.silu(h) if activation == "silu" else F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
-    if _fwad._current_level >= 0 or not torch.compiler.is_compiling() and _functorch_stack() is not None:
-        # torch.func's transforms (the ctx-style Function is refused there) and
-        # tangents (Note [forward-mode AD]): torch's GEMM, the functional activation
+    if (_fwad._current_level >= 0 or _tracing_state() is not None
+            or not torch.compiler.is_compiling() and _functorch_stack() is not None):
+        # torch.func's transforms (the ctx-style Function is refused there),
+        # tangents (Note [forward-mode AD]) and torch.jit.trace (it records
+        # dispatcher ops only: _activate_'s write in place is none, and the
+        # graph must not depend on the grad mode, which check_trace changes):
+        # torch's GEMM, the functional activation
         h = F.linear(x, weight, bias)
         return ops.silu(h) if activation == "silu" else ops.gelu(h, "tanh" if activation == "gelu_tanh" else "none")
     x2 = x.reshape(-1, x.shape[-1])
