@@ -56,9 +56,11 @@ def layer_norm_backward(dy: Array, x: Array, weight: Array, eps: float = 1e-5, *
 def _moved(x, dim):
     """x with `dim` moved last, and the function that moves it back."""
     ndim = len(x.shape)
-    if ndim == 0:
-        raise InvalidArgumentError("softmax needs at least 1 dimension, got a 0-d array")
     dim = _checks.integer("dim", dim)
+    if ndim == 0:  # torch's rule: a 0-d array is a row of one (dim -1 or 0)
+        if dim not in (-1, 0):
+            raise InvalidArgumentError(f"dim {dim} is out of range for a 0-d array (-1 or 0)")
+        return x.reshape((1,)), lambda y: y.reshape(())
     if not -ndim <= dim < ndim:
         raise InvalidArgumentError(f"dim {dim} is out of range for an array of shape {tuple(x.shape)}")
     dim %= ndim

@@ -210,8 +210,10 @@ def _softmax(op: str, x, dim, scale, causal, log, causal_alignment):
     if not is_torch_xla(x):
         x = _as_jax(x)
         _float(op, "x", x)
-    if x.ndim == 0:
-        raise InvalidArgumentError("softmax needs at least 1 dimension, got a 0-d array")
+    if x.ndim == 0:  # torch's rule: a 0-d array is a row of one (dim -1 or 0)
+        if not isinstance(dim, int) or dim not in (-1, 0):
+            raise InvalidArgumentError(f"dim {dim!r} is out of range for a 0-d array (-1 or 0)")
+        return _softmax(op, x.reshape((1,)), -1, scale, causal, log, causal_alignment).reshape(())
     if not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
         raise InvalidArgumentError(f"dim {dim!r} is out of range for an array of shape {tuple(x.shape)}")
     dim %= x.ndim
@@ -460,6 +462,8 @@ def _softmax_bwd(dy, y, dim, scale, log):
     _float("softmax_backward", "y", y)
     _float("softmax_backward", "dy", dy, y)
     _same_shape("softmax_backward", "dy", dy, y)
+    if y.ndim == 0 and isinstance(dim, int) and dim in (-1, 0):  # a row of one, as softmax
+        return _softmax_bwd(dy.reshape((1,)), y.reshape((1,)), -1, scale, log).reshape(())
     if y.ndim == 0 or not isinstance(dim, int) or not -y.ndim <= dim < y.ndim:
         raise InvalidArgumentError(f"dim {dim!r} is out of range for an array of shape {tuple(y.shape)}")
     scale = _scale("softmax_backward", scale)

@@ -88,6 +88,39 @@ def test_zero_dim_elementwise(op):
     assert y.shape == () and abs(float(y) - float(OPS[op][1](x, None))) < 1e-6
 
 
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_zero_dim_softmax_is_a_row_of_one(dim, target):
+    """torch's rule: softmax / log_softmax of a 0-d array along dim -1 or 0
+    is 1 / 0 (and their backward 0); other dims are out of range. Ours
+    refused dim 0 (numpy input: both)."""
+    x = np.array(0.3, dtype=np.float32)
+    assert np.asarray(tensor_ops.softmax(x, dim)).shape == ()
+    assert float(tensor_ops.softmax(x, dim)) == 1.0 and float(tensor_ops.log_softmax(x, dim)) == 0.0
+    assert float(tensor_ops.softmax_backward(np.array(2.0, np.float32), np.array(1.0, np.float32), dim)) == 0.0
+    with pytest.raises(ValueError, match="out of range"):
+        tensor_ops.softmax(x, 1)
+
+
+def test_zero_dim_softmax_on_xla_and_torch():
+    torch = pytest.importorskip("torch")
+    import tensor_ops.torch as tt
+    for dim in (-1, 0):
+        t = torch.tensor(0.3, requires_grad=True)
+        for f in (tt.softmax, tt.log_softmax, torch.ops.tensor_ops.softmax):
+            y = f(t, dim)
+            want = torch.softmax(t, dim) if f is not tt.log_softmax else torch.log_softmax(t, dim)
+            assert y.shape == () and float(y) == float(want)
+            (g,) = torch.autograd.grad(y * 2, t)
+            assert float(g) == 0.0
+    jnp = pytest.importorskip("jax.numpy")
+    for dim in (-1, 0):
+        assert float(tensor_ops.softmax(jnp.asarray(0.3), dim)) == 1.0
+        assert float(tensor_ops.log_softmax(jnp.asarray(0.3), dim)) == 0.0
+        assert float(tensor_ops.softmax_backward(jnp.asarray(2.0), jnp.asarray(1.0), dim)) == 0.0
+    with pytest.raises(ValueError, match="out of range"):
+        tensor_ops.softmax(jnp.asarray(0.3), 1)
+
+
 @pytest.mark.parametrize("op", ["silu", "gelu", "gelu_tanh"])
 def test_special_values(op):
     x = np.array([0.0, -0.0, np.nan, 1e-30, -1e-30, 20.0, -20.0, 1e4], dtype=np.float32)
