@@ -1131,6 +1131,28 @@ def test_jit_trace_of_fused_linear_activation(act, rows, grad):
             assert rel_err(traced(inp), torch_act(F.linear(inp, m.weight, m.bias))) < 1e-5
 
 
+def test_inference_mode_inputs_train_a_head():
+    """Note [inference tensors saved for backward]: features made under
+    torch.inference_mode feed a trainable RMSNorm / LayerNorm (the weight's
+    gradient): ours saved the inference tensor and raised, torch's RMSNorm
+    trains. Through the module, the functional op and torch.ops."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        feats = torch.randn(4, 16) * 2
+    for ref in (nn.RMSNorm(16), nn.LayerNorm(16)):
+        with torch.no_grad():
+            ref.weight.uniform_(0.5, 1.5)
+        got, _ = tt.prepare_model(copy.deepcopy(ref), "O1")
+        assert type(got) is not type(ref)
+        ref(feats.clone()).square().sum().backward()
+        got(feats).square().sum().backward()
+        assert rel_err(got.weight.grad, ref.weight.grad) < 1e-5
+    w = torch.ones(16, requires_grad=True)
+    for y in (tt.rms_norm(feats, w, 1e-6), torch.ops.tensor_ops.rms_norm(feats, w, 1e-6)):
+        (g,) = torch.autograd.grad(y.sum(), w)
+        assert torch.isfinite(g).all()
+
+
 def test_meta_tensors_take_the_fake_kernels():
     """Meta tensors (shape inference, init_empty_weights-style models): the
     functional ops and prepared modules give meta outputs of torch's shapes,

@@ -305,10 +305,34 @@ def _register_autograd(name, impl, op, backward, setup_context):
     _LIB.impl(name, _autograd_kernel(name, LOWERED.get(name), _defaults(impl)), "Autograd", with_keyset=True)
 
 
+# Note [inference tensors saved for backward]
+# An input made under torch.inference_mode (a frozen backbone's features)
+# cannot be saved for backward; an op whose gradient is wanted for another
+# input (a trainable RMSNorm head's weight) saved it and raised "Inference
+# tensors cannot be saved for backward", where torch's composite RMSNorm
+# saves what it computed and trains. setup_context saves a copy of such an
+# input instead (a plain tensor, made outside inference mode); every other
+# call pays one is_inference() per tensor input.
+_is_inference = Tensor.is_inference
+
+
+def _inference_safe(setup_context):
+    def setup(ctx, inputs, output):
+        for a in inputs:
+            if isinstance(a, Tensor) and _is_inference(a):
+                inputs = tuple(b.clone() if isinstance(b, Tensor) and _is_inference(b) else b for b in inputs)
+                break
+        setup_context(ctx, inputs, output)
+
+    return setup
+
+
 def _register(impl, fake, setup_context=None, backward=None):
     """torch.ops.tensor_ops.<impl name> with its fake kernel and, given a
     backward, its autograd and the matching autograd.Function."""
     name = impl.__name__
+    if setup_context is not None:
+        setup_context = _inference_safe(setup_context)  # Note [inference tensors saved for backward]
     qualname = f"tensor_ops::{name}"
     _LIB.define(name + torch.library.infer_schema(impl, mutates_args=()))
     lowered = LOWERED.get(name)
