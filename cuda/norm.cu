@@ -169,6 +169,17 @@ __global__ void __launch_bounds__(Grouped ? kGroupBlockThreads : kMaxBlockThread
   }
 }
 
+// The norm backward kernels' rstd, and (Layer) their mean corrected as the
+// forward's (Note [layer_norm's corrected mean] (GPU)): mean is the row's
+// fp32 mean (0 for rms_norm), sq and dev this thread's sums of (x - mean)^2
+// and of (x - mean). Block-wide: every thread of the block calls it.
+template <bool Layer>
+__device__ __forceinline__ float backward_rstd(float& mean, float sq, float dev, int64_t cols, float eps) {
+  double shift = 0.0;
+  if (Layer) mean = corrected_mean(mean, block_sum(dev), cols, shift);
+  return float(1.0 / sqrt(fmax(double(block_sum(sq)) / double(cols) - shift * shift, 0.0) + double(eps)));
+}
+
 // Threads of a norm_backward_kernel block: at most 512, so that a thread may
 // hold 128 registers (x, dy, w and the dweight / dbias sums of K chunks;
 // under a 1024-thread bound, 64, and K = 4 spilled 300-900 bytes). One
@@ -234,11 +245,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
           part += d * d;
           if (Layer) dev += d;
         }
-    // Note [layer_norm's corrected mean] (GPU): the forward's mean and variance.
-    double shift = 0.0;
-    if (Layer) mean = corrected_mean(mean, block_sum(dev), cols, shift);
-    const float rstd =
-        float(1.0 / sqrt(fmax(double(block_sum(part)) / double(cols) - shift * shift, 0.0) + double(eps)));
+    const float rstd = backward_rstd<Layer>(mean, part, dev, cols, eps);
     // c1 = mean(g * x_hat), c2 = mean(g) with g = dy * (w + offset) (rms_norm's
     // offset; -0.0f for none, as in rms_norm_kernel). g is rounded to
     // fp32 the same way here and below (mul_rn: never fused into an FMA), so
@@ -323,11 +330,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
         if (Layer) dev += d;
       }
     }
-    // Note [layer_norm's corrected mean] (GPU): the forward's mean and variance.
-    double shift = 0.0;
-    if (Layer) mean = corrected_mean(mean, block_sum(dev), cols, shift);
-    const float rstd =
-        float(1.0 / sqrt(fmax(double(block_sum(part)) / double(cols) - shift * shift, 0.0) + double(eps)));
+    const float rstd = backward_rstd<Layer>(mean, part, dev, cols, eps);
     float p1 = 0.0f, p2 = 0.0f;
     for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
       float a[V], g[V], wv[V];
