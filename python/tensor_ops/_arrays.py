@@ -177,6 +177,10 @@ def check_out(o, name: str = "out"):
         if o.requires_grad:
             raise InvalidArgumentError(f"{name}= does not support automatic differentiation, but {name} "
                                        f"(shape {tuple(o.shape)}, dtype {o.dtype}) requires grad")
+        if o.is_inference() and not _torch().is_inference_mode_enabled():
+            raise InvalidArgumentError(f"{name} (shape {tuple(o.shape)}, dtype {o.dtype}) is an inference tensor "
+                                       "and inference mode is off: torch refuses to update it in place (clone it "
+                                       "first, or call under torch.inference_mode())")
         if o.is_neg() or o.is_conj():
             raise InvalidArgumentError(f"{name} (shape {tuple(o.shape)}, dtype {o.dtype}) has the negative or "
                                        "conjugate bit set: writing into a lazy view would store negated values")

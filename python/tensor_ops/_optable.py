@@ -27,8 +27,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 
 from . import _C
-from ._arrays import (FAST_NP, POOL_OUTPUT_BYTES, TORCH_TYPES, Arg, bump_torch_version, call, empty_like, fast_out,
-                      run)
+from ._arrays import (FAST_NP, POOL_OUTPUT_BYTES, TORCH_TYPES, Arg, _torch, bump_torch_version, call, empty_like,
+                      fast_out, run)
 from .errors import DTypeError, LayoutError, TensorOpsError, UnsupportedError
 
 
@@ -174,7 +174,8 @@ def _fast_into(e: OpEntry, arrays: tuple, extra: tuple, out):
     if t not in TORCH_TYPES or type(out) not in TORCH_TYPES:
         return None
     dt = x.dtype
-    if out.dtype != dt or out.requires_grad or not out.is_cpu or not _same_kind(e, arrays, TORCH_TYPES, dt):
+    if (out.dtype != dt or out.requires_grad or not out.is_cpu or not _same_kind(e, arrays, TORCH_TYPES, dt)
+            or out.is_inference() and not _torch().is_inference_mode_enabled()):  # the general lane refuses
         return None
     try:
         e.fn(*arrays, out, *extra)
@@ -193,8 +194,8 @@ def _fast_into(e: OpEntry, arrays: tuple, extra: tuple, out):
 # calls the binding with out directly: the core checks out's shape and dtype
 # and refuses a partial overlap with an input (Note [row-strided overlap]),
 # and the torch reader refuses a lazy (negative / conjugate) view; any
-# refusal, a read-only numpy out, an out that requires grad and device
-# tensors take the general lane, which copies what it can and words the rest.
+# refusal, a read-only numpy out, an out that requires grad, an inference
+# tensor outside inference mode and device tensors take the general lane, which copies what it can and words the rest.
 
 
 def invoke(name: str, arrays: tuple, extra: tuple = (), out=None):

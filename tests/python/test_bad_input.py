@@ -252,6 +252,23 @@ def test_out_requiring_grad_is_refused():
 
 
 @needs_torch
+def test_out_inference_tensor_outside_inference_mode_is_refused():
+    """torch refuses an in-place update of an inference tensor outside
+    inference mode; out= wrote it. Inside inference mode it is written."""
+    x = torch.randn(4, 8)
+    with torch.inference_mode():
+        out = torch.zeros(4, 8)
+    for call in (lambda: tensor_ops.silu(x, out=out), lambda: tensor_ops.swiglu(x, x, out=out),
+                 lambda: tensor_ops.rms_norm(x, torch.ones(8), 1e-6, out=out)):
+        with pytest.raises(ValueError, match="inference tensor"):
+            call()
+    assert (out == 0).all()
+    with torch.inference_mode():
+        tensor_ops.silu(x, out=out)
+    assert torch.allclose(out, torch.nn.functional.silu(x))
+
+
+@needs_torch
 @pytest.mark.parametrize("make", [
     lambda t: torch._neg_view(t),
     lambda t: torch.complex(torch.zeros_like(t), t).conj().imag,
