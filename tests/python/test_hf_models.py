@@ -1491,3 +1491,31 @@ def test_torch_silu_activation_families_keep_their_fusion():
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     _, result = prepared(model)
     assert any("silu epilogue" in a for a in result.optimizations_applied), result.optimizations_applied
+
+
+def test_warnings_name_every_norm_left_and_no_stale_mlp_refusal():
+    """result.warnings: a norm class with a variant tag (Nemotron's
+    NemotronLayerNorm1P) left on torch is named (it was not: the name check
+    took suffixes only); a gated MLP hf.py swaps (FastGELU: a gelu_tanh GLU)
+    carries no "left as is" warning from the generic check that ran first,
+    and one both checks refuse (QuickGELU) is named once."""
+    torch.manual_seed(0)
+    m = transformers.NemotronForCausalLM(transformers.NemotronConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    m, res = tt.prepare_model(m, "O1")
+    norms = [w for w in res.warnings if "(NemotronLayerNorm1P) is a norm left on torch" in w]
+    assert len(norms) == 3, res.warnings
+    for act, swapped in (("gelu_fast", True), ("quick_gelu", False)):
+        m = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            hidden_act=act, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+        ref = copy.deepcopy(m)
+        m, res = tt.prepare_model(m, "O1")
+        mlp = m.model.layers[0].mlp
+        assert (type(mlp).__module__.startswith("tensor_ops.")) == swapped, type(mlp)
+        left = [w for w in res.warnings if w.startswith("model.layers.0.mlp (") and "left as is" in w]
+        assert len(left) == (0 if swapped else 1), res.warnings
+        ids = torch.randint(0, 128, (2, 7))
+        with torch.no_grad():
+            assert (m(ids).logits - ref(ids).logits).abs().max() < 1e-4

@@ -58,6 +58,7 @@ import functools
 import importlib
 import inspect
 import logging
+import re
 import sys
 import types
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
@@ -1165,7 +1166,9 @@ def _patch_loss(model: nn.Module, mode: Optional[str], warnings: List[str], coun
 
 # ------------------------------------------------------------ what is left
 
-_NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "GroupNorm")
+# A norm class by name: ends in one of these, or holds one followed by a
+# variant tag (NemotronLayerNorm1P, *RMSNormGated).
+_NORM_NAME = re.compile(r"(RMSNorm|LayerNorm|GroupNorm)(\d+[A-Za-z]?|Gated)?$")
 
 
 def _leftovers(model: nn.Module, warnings: List[str]) -> None:
@@ -1176,7 +1179,7 @@ def _leftovers(model: nn.Module, warnings: List[str]) -> None:
         if _is_ours(m) or path in seen:
             continue
         name, where = type(m).__name__, path or "the model"
-        if name.endswith(_NORM_SUFFIXES):
+        if _NORM_NAME.search(name):
             warnings.append(f"{where} ({name}) is a norm left on torch: no tensor_ops replacement for this class")
         elif type(m).__module__ in ("transformers.activations", "torch.nn.modules.activation") and not isinstance(
                 m, (nn.Softmax, nn.MultiheadAttention)):

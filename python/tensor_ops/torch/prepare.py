@@ -114,6 +114,27 @@ def _gated_mlp(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Modu
     return modules.SwiGLU.from_linears(g, u, d, act)
 
 
+_LEFT_AS_IS = " looks like a gated MLP but was left as is: "
+
+
+def _withdraw_mlp_warnings(model: nn.Module, warnings: List[str]) -> None:
+    """The generic gated-MLP check (_swiglu_of) runs before hf.py's, which
+    knows more activations (FastGELU: a gelu_tanh GLU): its "left as is"
+    warning is withdrawn for a module hf.py then swapped, and a module both
+    checks refused keeps one warning (the first)."""
+    mods = dict(model.named_modules())
+    seen, kept = set(), []
+    for w in warnings:
+        if _LEFT_AS_IS in w:
+            path = w.split(" (", 1)[0]
+            m = mods.get(path if path != "the model" else "")
+            if path in seen or (m is not None and getattr(type(m), "_tensor_ops_kind", None) is not None):
+                continue
+            seen.add(path)
+        kept.append(w)
+    warnings[:] = kept
+
+
 def _hf_rms_norm(m: nn.Module, warnings: List[str], path: str) -> Optional[nn.Module]:
     """An RMSNorm holding m's weight when m is one of HF's RMSNorm classes."""
     if type(m).__name__ not in HF_RMS_NORMS:
@@ -297,6 +318,7 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
             from . import hf  # imported only when transformers already is
 
             hf.prepare_hf_model(model, warnings, counts)
+            _withdraw_mlp_warnings(model, warnings)
         if backend.name == "cpu":  # the only backend with a linear kernel
             _swap_linears(model, counts)
         applied += [f"{swap} x{n}" for swap, n in sorted(counts.items())]
