@@ -29,7 +29,7 @@ import numpy as np
 from . import _C
 from ._arrays import (FAST_NP, POOL_OUTPUT_BYTES, TORCH_TYPES, Arg, _torch, bump_torch_version, call, empty_like,
                       fast_out, run)
-from .errors import DTypeError, LayoutError, TensorOpsError, UnsupportedError
+from .errors import DTypeError, LayoutError, OutOfMemoryError, TensorOpsError, UnsupportedError
 
 
 class OpEntry(NamedTuple):
@@ -155,6 +155,8 @@ def torch_call(name: str, arrays: tuple, extra: tuple):
     e = TABLE[name]
     try:
         return e.fn(*arrays, *_NONES[len(e.like)], *extra)
+    except OutOfMemoryError:
+        raise  # the public op would run it again (its outputs are torch's either way): counted twice
     except (TensorOpsError, TypeError):
         return None
 

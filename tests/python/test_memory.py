@@ -178,3 +178,33 @@ def test_large_torch_outputs_come_from_the_pool(rng):
     del y
     assert tensor_ops.memory_stats()["allocated_bytes.all.current"] == before
     tensor_ops.empty_cache()
+
+
+def test_an_op_that_runs_out_of_memory_counts_once(rng):
+    """A torch call on OpenCL whose staging copy is refused under a cap
+    raises OutOfMemoryError once: the torch layer's direct lane caught it and
+    the public op ran the call again (num_ooms went up by 2 per failed call)."""
+    torch = pytest.importorskip("torch")
+    import tensor_ops.torch as tt
+
+    if not any(b.name == "opencl" and b.usable for b in tensor_ops.backends()):
+        pytest.skip("opencl is not usable here")
+    dev = "opencl:0"
+    x = torch.from_numpy(rng.standard_normal((33, 77), dtype=np.float32))
+    w = torch.ones(77)
+    with tensor_ops.use("opencl"):
+        tt.silu(x)  # warm: the kernels built
+    total = tensor_ops.memory_stats(dev)["device_total_bytes"]
+    tensor_ops.empty_cache(dev)
+    tensor_ops.set_memory_fraction(4096 / total, dev)
+    try:
+        for call in (lambda: tt.rms_norm(x, w, 1e-6), lambda: torch.ops.tensor_ops.rms_norm(x, w, 1e-6),
+                     lambda: tt.silu(x), lambda: tensor_ops.silu(x), lambda: tt.RMSNorm(77)(x)):
+            before = tensor_ops.memory_stats(dev)["num_ooms"]
+            with pytest.raises(tensor_ops.OutOfMemoryError), tensor_ops.use("opencl"):
+                call()
+            assert tensor_ops.memory_stats(dev)["num_ooms"] == before + 1
+    finally:
+        tensor_ops.set_memory_fraction(1.0, dev)
+    with tensor_ops.use("opencl"):
+        assert torch.allclose(tt.silu(x), torch.nn.functional.silu(x), atol=1e-6)
