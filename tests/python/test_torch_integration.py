@@ -929,6 +929,24 @@ def test_factory_reflects_the_registry():
         assert len(i["devices"]) == sum(d.backend == name for d in tensor_ops.devices())
 
 
+def test_staging_backends_hold_host_tensors_and_refuse_another_device():
+    """A SYCL backend without torch XPU holds host tensors (its device was
+    xpu:0: prepare_model failed in model.to with "Torch not compiled with
+    XPU enabled"); a host-staging backend with device_id 1 refuses `with b:`
+    and prepare_model in words (device 0 ran while device 1 was reported)."""
+    if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        assert factory.Backend("sycl").device == torch.device("cpu")
+    for name in ("opencl", "sycl"):
+        b = factory.Backend(name, device_id=1)
+        with pytest.raises(tensor_ops.UnsupportedError, match=f"{name}:1: torch tensors on the host run on {name}:0"):
+            with b:
+                pass
+        with pytest.raises(tensor_ops.UnsupportedError, match="device_id 1 cannot be selected"):
+            tt.prepare_model(nn.Linear(4, 4), "O1", backend=b)
+    with factory.Backend("cpu"):  # device 0 (and the CPU) as before
+        pass
+
+
 def test_factory_errors():
     with pytest.raises(ValueError, match="unknown backend 'metal'; valid names"):
         tt.BackendFactory.create("metal")

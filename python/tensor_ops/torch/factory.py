@@ -13,6 +13,7 @@ import torch
 import tensor_ops
 from tensor_ops.torch.optim import fuse_optimizer
 from tensor_ops import BackendStatus, BackendUnavailableError, DeviceInfo
+from tensor_ops.errors import UnsupportedError
 
 
 class BackendType(str, enum.Enum):
@@ -77,6 +78,19 @@ def torch_reason(name: str) -> Optional[str]:
     return None
 
 
+def _xpu_holds(backend: "Backend") -> bool:
+    """Whether torch tensors for SYCL backend's device live on torch's xpu
+    device: torch built with XPU sees a device there and the SYCL device is
+    no CPU. Else host tensors (torch without XPU raised "Torch not compiled
+    with XPU enabled" at model.to for a SYCL device that is Intel's CPU
+    OpenCL runtime)."""
+    xpu = getattr(torch, "xpu", None)
+    if xpu is None or not xpu.is_available():
+        return False
+    found = [d for d in tensor_ops.devices() if d.backend == backend.name]
+    return backend.device_id < len(found) and found[backend.device_id].device_type != "cpu"
+
+
 def _resolve(backend: Union[str, BackendType, None]) -> str:
     """A registry name for a name, alias or BackendType; AUTO (or None) is the
     registry's automatic choice for host arrays."""
@@ -113,7 +127,20 @@ class Backend:
     @property
     def device(self) -> torch.device:
         kind = _TORCH_DEVICE_TYPE[self.name]
+        if kind == "xpu" and not _xpu_holds(self):
+            kind = "cpu"  # host tensors, staged to the SYCL device as OpenCL's are
         return torch.device(kind) if kind == "cpu" else torch.device(kind, self.device_id)
+
+    def _check_host_device(self) -> None:
+        """Host tensors run on a staging backend's first device (the registry
+        stages host arrays to <name>:0): another device_id would be reported
+        (get_device_info, get_memory_stats) while device 0 ran."""
+        if self.device_id != 0 and self.name != "cpu" and self.device.type == "cpu":
+            raise UnsupportedError(
+                f"{self.name}:{self.device_id}: torch tensors on the host run on {self.name}:0 (host arrays are "
+                f"staged to a backend's first device), so device_id {self.device_id} cannot be selected for them; "
+                f"order the devices so that the one wanted is first (the OpenCL ICD list, OCL_ICD_VENDORS), or "
+                f"keep data on it with tensor_ops.from_numpy(x, device='{self.name}:{self.device_id}')")
 
     def get_device_info(self, device_id: Optional[int] = None) -> DeviceInfo:
         i = self.device_id if device_id is None else device_id
@@ -196,6 +223,7 @@ class Backend:
         return f"{self.name}:{self.device_id}"
 
     def __enter__(self) -> "Backend":
+        self._check_host_device()
         scope = tensor_ops.use(self.name)
         scope.__enter__()
         self._scopes.append(scope)
@@ -241,7 +269,7 @@ class BackendFactory:
         """Every backend the registry knows, usable or not (with the reason),
         its devices and where its torch tensors live."""
         devs = tensor_ops.devices()
-        return [{**b.to_dict(), "torch_device_type": _TORCH_DEVICE_TYPE.get(b.name),
+        return [{**b.to_dict(), "torch_device_type": Backend(b.name).device.type if b.name in _TORCH_DEVICE_TYPE else None,
                  "devices": [d.to_dict() for d in devs if d.backend == b.name]} for b in tensor_ops.backends()]
 
 

@@ -283,6 +283,7 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
     level = OptimizationLevel.from_string(level)
     if not isinstance(backend, Backend):
         backend = BackendFactory.create(BackendType.AUTO if backend is None else backend)
+    backend._check_host_device()
     applied: List[str] = []
     warnings: List[str] = []
     metrics: Dict[str, Any] = {"backend": backend.name, "device": str(backend.device)}
