@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 
+import tensor_ops  # noqa: E402
 import tensor_ops.torch as tt  # noqa: E402
 from tensor_ops.torch import hf  # noqa: E402
 from torch import nn  # noqa: E402
@@ -307,6 +308,33 @@ def test_bf16_prefill_attention_follows_the_half_gemm_policy(mode, monkeypatch):
     model(x).logits.float().sum().backward()
     assert hf.SDPA_HALF_CALLS["bfloat16"] == (layers if sdpa else 0)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_bf16_prefill_attention_on_opencl_stays_on_opencl(monkeypatch):
+    """The native-half SDPA route is this CPU's (Note [native half
+    attention]): with host tensors run on OpenCL, a masked bf16 prefill ran
+    torch's SDPA on the host. Under use("opencl") it runs ours there."""
+    if not any(b.name == "opencl" and b.usable for b in tensor_ops.backends()):
+        pytest.skip("opencl is not usable here")
+    from tensor_ops.torch import modules
+
+    monkeypatch.setattr(modules, "_HALF_POLICY", {})
+    monkeypatch.setenv("TENSOR_OPS_HALF_GEMM", "native")
+    monkeypatch.setattr(hf, "SDPA_HALF_CALLS", collections.Counter())
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        ref32 = build("llama")(x, attention_mask=mask).logits
+        model, _ = tt.prepare_model(build("llama", dtype=torch.bfloat16), "O1", backend="opencl")
+        layers = len(attention_modules(model))
+        model(x, attention_mask=mask)  # host tensors on the CPU backend: SDPA (native bf16)
+        assert hf.SDPA_HALF_CALLS["bfloat16"] == layers
+        hf.SDPA_HALF_CALLS.clear()
+        with tensor_ops.use("opencl"):
+            got = model(x, attention_mask=mask).logits
+        assert hf.SDPA_HALF_CALLS["bfloat16"] == 0
+    assert rel(got[1], ref32[1]) < 2e-2 and rel(got[0, 3:], ref32[0, 3:]) < 2e-2
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

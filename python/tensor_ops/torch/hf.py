@@ -75,6 +75,8 @@ except ImportError as e:  # pragma: no cover - exercised without transformers on
     raise ImportError("tensor_ops.torch.hf needs transformers: pip install 'tensor_ops[hf]' "
                       f"(or pip install transformers): {e}") from e
 
+from tensor_ops import _C
+
 from . import functional as ops
 from . import modules, swap_check
 from .flash_attention import _additive, scaled_dot_product_attention
@@ -82,6 +84,7 @@ from .fused_linear import hooked, linear_activation, plain_linear_layout, torch_
 from .linear_cross_entropy import fused_linear_cross_entropy as _flce
 
 _log = logging.getLogger("tensor_ops")
+_selected_backend = _C.selected_backend  # the backend host tensors run on now
 
 ATTENTION = "tensor_ops"
 # reason -> calls that went to the family's eager attention instead of ours.
@@ -574,7 +577,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                          scaling=scaling, softcap=softcap, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     plain = attention_mask is None and not dropout
-    if q_len > 1 and softcap is None and query.is_cpu and native_half_attention(query.dtype, plain):
+    if (q_len > 1 and softcap is None and query.is_cpu and native_half_attention(query.dtype, plain)
+            and _selected_backend() == "cpu"):  # host tensors on OpenCL / SYCL run there, not on this CPU's SDPA
         SDPA_HALF_CALLS[str(query.dtype)[len("torch."):]] += 1
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -681,7 +685,8 @@ def _set_attention(model: nn.Module, warnings: List[str], counts) -> None:
         counts[f"{' / '.join(natives)} attention with more than one query on torch's SDPA: this CPU's native "
                f"{' / '.join(natives)} GEMMs beat our fp32-accumulating kernel there; one-query decode on ours"
                + (f"; {amx} prefill without mask or dropout on ours (AMX tiles)" if amx else "")
-               + " (TENSOR_OPS_HALF_GEMM=fp32 keeps ours throughout)"] += 1
+               + " (TENSOR_OPS_HALF_GEMM=fp32 keeps ours throughout; host tensors run on OpenCL / SYCL keep "
+               "ours there)"] += 1
     if getattr(config, "attn_logit_softcapping", None) is not None:
         counts["attention logit softcapping on the score-matrix path (torch matmul + our softmax)"] += 1
 
