@@ -432,6 +432,25 @@ def test_left_padded_batch_trains_like_sdpa(family):
         assert rel(got[n], ref[n]) < 1e-4, (n, rel(got[n], ref[n]))
 
 
+def test_compile_fullgraph_bf16_masked_prefill(monkeypatch):
+    """The native-half SDPA route asks the registry which backend runs host
+    tensors, which dynamo cannot trace: compiled, the route is the CPU's
+    (fullgraph raised on a bf16 masked prefill)."""
+    from tensor_ops.torch import modules
+
+    monkeypatch.setattr(modules, "_HALF_POLICY", {})
+    monkeypatch.setenv("TENSOR_OPS_HALF_GEMM", "native")
+    model = prepared(build("llama", dtype=torch.bfloat16))[0].eval()
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        ref = model(x, attention_mask=mask).logits
+        torch._dynamo.reset()
+        got = torch.compile(model, fullgraph=True, backend="eager")(x, attention_mask=mask).logits
+    assert rel(got.float(), ref.float()) < 1e-2
+
+
 @pytest.mark.parametrize("family,train", [("llama", False), ("gpt2", False), ("gemma2", False), ("qwen3", True),
                                           ("gpt2", True)])
 def test_compile_fullgraph_no_graph_break(family, train):

@@ -578,7 +578,9 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     q_len, kv_len = query.shape[2], key.shape[2]
     plain = attention_mask is None and not dropout
     if (q_len > 1 and softcap is None and query.is_cpu and native_half_attention(query.dtype, plain)
-            and _selected_backend() == "cpu"):  # host tensors on OpenCL / SYCL run there, not on this CPU's SDPA
+            # host tensors run on OpenCL / SYCL stay there, not on this CPU's SDPA (traced: no
+            # registry call in the graph, which dynamo could not trace: the CPU's route)
+            and (torch.compiler.is_compiling() or _selected_backend() == "cpu")):
         SDPA_HALF_CALLS[str(query.dtype)[len("torch."):]] += 1
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
