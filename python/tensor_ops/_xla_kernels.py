@@ -129,12 +129,19 @@ def glu(g, u, act):
 
 def _ln(xf, wf, bf, eps):
     _, jnp, lax = _mods()
-    # x0 + mean(x - x0), x0 the row's first element (the CPU's Note
-    # [layer_norm's mean]): a row of one value normalises to exactly 0
+    # m = x0 + mean(x - x0), x0 the row's first element (the CPU's Note
+    # [layer_norm's mean]): a row of one value normalises to exactly 0. m is
+    # a float, up to half an ulp of |m| off; the deviations d = x - m are
+    # (nearly) exact, so their mean c is m's error and the row is normalised
+    # as (d - c) with variance mean(d^2) - c^2 (the CPU's Note [layer_norm's
+    # corrected mean]): [1e8, 1e8 + 8, 1e8 + 16, 1e8 - 8] gave [0, 0.82, 1.63,
+    # -0.82] with m rounded to 1e8 (exact: [-0.45, 0.45, 1.34, -1.34]).
     x0 = xf[..., :1]
-    mu = x0 + jnp.mean(xf - x0, axis=-1, keepdims=True)
-    d = xf - mu
-    y = d * lax.rsqrt(jnp.mean(d * d, axis=-1, keepdims=True) + eps) * wf
+    m = x0 + jnp.mean(xf - x0, axis=-1, keepdims=True)
+    d = xf - m
+    c = jnp.mean(d, axis=-1, keepdims=True)
+    var = jnp.maximum(jnp.mean(d * d, axis=-1, keepdims=True) - c * c, 0.0)
+    y = (d - c) * lax.rsqrt(var + eps) * wf
     return y if bf is None else y + bf
 
 

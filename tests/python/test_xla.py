@@ -567,3 +567,28 @@ def test_nonfinite_rows_and_large_scores_as_the_native_kernels():
     with tensor_ops.use("xla"):
         loss = tensor_ops.cross_entropy(logits, np.array([2]), reduction="none")
     np.testing.assert_allclose(loss, [math.log(4)], rtol=1e-6)
+
+
+def test_layer_norm_far_from_zero_as_accurate_as_the_cpu_kernel():
+    """The shim's layer_norm (and backward) normalise about the corrected
+    mean (the CPU's Note [layer_norm's corrected mean]): the float mean was
+    half an ulp of |mean| off, [1e8, 1e8 + 8, 1e8 + 16, 1e8 - 8] gave
+    [0, 0.82, 1.63, -0.82], and offset 1e4 + N(0, 0.1) rows 5e-3 off."""
+    x = np.array([[1e8, 1e8 + 8, 1e8 + 16, 1e8 - 8]], np.float32)
+    one, zero = np.ones(4, np.float32), np.zeros(4, np.float32)
+    want = np.array([[-1, 1, 3, -3]]) / math.sqrt(5.0)
+    got = np.asarray(tensor_ops.layer_norm(jnp.asarray(x), jnp.asarray(one), jnp.asarray(zero), 0.0))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    rng = np.random.default_rng(0)
+    for offset, sd in ((1e3, 0.01), (1e4, 0.1), (3e4, 1.0)):
+        x = (offset + sd * rng.standard_normal((4, 257))).astype(np.float32)
+        w = np.ones(257, np.float32)
+        x64 = x.astype(np.float64)
+        d = x64 - x64.mean(-1, keepdims=True)
+        want = d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-5)
+        got = np.asarray(tensor_ops.layer_norm(jnp.asarray(x), jnp.asarray(w), jnp.asarray(0 * w), 1e-5))
+        assert np.abs(got - want).max() < 1e-5, (offset, np.abs(got - want).max())
+        dy = rng.standard_normal(x.shape).astype(np.float32)
+        dx, _, _ = tensor_ops.layer_norm_backward(jnp.asarray(dy), jnp.asarray(x), jnp.asarray(w), 1e-5)
+        dx_cpu, _, _ = tensor_ops.layer_norm_backward(dy, x, w, 1e-5)
+        assert np.abs(np.asarray(dx) - dx_cpu).max() < 1e-3 * np.abs(dx_cpu).max(), offset
