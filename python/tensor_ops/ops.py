@@ -88,6 +88,8 @@ def _softmax(x, dim, scale, causal, log, causal_alignment="bottom_right"):
         return invoke("softmax", (x,), (scale, causal_mode(causal, causal_alignment), log))
     Arg(x, "x")  # a TypeError for what is not an array, before its shape is read
     scale, causal = _checks.real("scale", scale), _checks.flag("causal", causal)
+    if causal and not len(x.shape):
+        raise InvalidArgumentError("causal softmax: x must have at least 2 dimensions, got a 0-d array")
     xm, back = _moved(x, dim)
     if causal and _checks.integer("dim", dim) % len(x.shape) != len(x.shape) - 1:
         raise InvalidArgumentError("causal softmax works on the last dim only")
@@ -117,6 +119,8 @@ def _softmax_bwd(dy, y, dim, scale, log):
     if dim == -1 and type(scale) is float and getattr(y, "ndim", 0) >= 1:
         return invoke("softmax_backward", (dy, y), (scale, log))
     Arg(dy, "dy"), Arg(y, "y")
+    if tuple(dy.shape) != tuple(y.shape):  # before _moved, which reshapes a 0-d one
+        raise InvalidArgumentError(f"softmax_backward: dy has shape {list(dy.shape)} but y has {list(y.shape)}")
     scale = _checks.real("scale", scale)
     dym, _ = _moved(dy, dim)
     ym, back = _moved(y, dim)

@@ -99,6 +99,11 @@ def test_zero_dim_softmax_is_a_row_of_one(dim, target):
     assert float(tensor_ops.softmax_backward(np.array(2.0, np.float32), np.array(1.0, np.float32), dim)) == 0.0
     with pytest.raises(ValueError, match="out of range"):
         tensor_ops.softmax(x, 1)
+    with pytest.raises(ValueError, match="at least 2 dimensions"):  # causal: rows and columns
+        tensor_ops.softmax(x, dim, causal=True)
+    for dy, y in ((np.array(1.0, np.float32), np.ones(1, np.float32)), (np.ones(1, np.float32), np.array(1.0, np.float32))):
+        with pytest.raises(ValueError, match="dy has shape"):
+            tensor_ops.softmax_backward(dy, y, dim)
 
 
 def test_zero_dim_softmax_on_xla_and_torch():
