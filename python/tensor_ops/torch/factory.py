@@ -139,8 +139,10 @@ class Backend:
             raise UnsupportedError(
                 f"{self.name}:{self.device_id}: torch tensors on the host run on {self.name}:0 (host arrays are "
                 f"staged to a backend's first device), so device_id {self.device_id} cannot be selected for them; "
-                f"order the devices so that the one wanted is first (the OpenCL ICD list, OCL_ICD_VENDORS), or "
-                f"keep data on it with tensor_ops.from_numpy(x, device='{self.name}:{self.device_id}')")
+                f"order the devices so that the one wanted is first ("
+                + ("OCL_ICD_VENDORS: the OpenCL ICD list" if self.name == "opencl" else
+                   "ONEAPI_DEVICE_SELECTOR" if self.name == "sycl" else "the backend's device selection")
+                + f"), or keep data on it with tensor_ops.from_numpy(x, device='{self.name}:{self.device_id}')")
 
     def get_device_info(self, device_id: Optional[int] = None) -> DeviceInfo:
         i = self.device_id if device_id is None else device_id

@@ -35,8 +35,9 @@ _tracing_state = torch._C._get_tracing_state  # torch.jit.trace under way: not N
 
 def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     # Traced, linear_rows takes nothing: no row-count test there (it put a guard on the sequence
-    # length into compiled and exported graphs: torch.export with a dynamic length from 2 refused).
-    if not torch.compiler.is_compiling() and x2.shape[0] <= linear_max_rows(x2.dtype):
+    # length into compiled and exported graphs: torch.export with a dynamic length from 2 refused;
+    # torch.jit.trace warned of a size read as a Python bool).
+    if not torch.compiler.is_compiling() and _tracing_state() is None and x2.shape[0] <= linear_max_rows(x2.dtype):
         # A few rows (decode): our linear kernel where it applies (linear_rows:
         # no gradient to record, plain CPU tensors), on the weight as stored:
         # a Conv1D's [in, out] weight arrives as its transposed view.
@@ -107,16 +108,20 @@ def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias=None, activati
         _log_torch_dtype(FusedLinearGELU if activation != "silu" else FusedLinearSiLU, "F.linear + activation", x.dtype)
         h = F.linear(x, weight, bias)
         return F.silu(h) if activation == "silu" else F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
-    if (_fwad._current_level >= 0 or _tracing_state() is not None
-            or not torch.compiler.is_compiling() and _functorch_stack() is not None):
-        # torch.func's transforms (the ctx-style Function is refused there),
-        # tangents (Note [forward-mode AD]) and torch.jit.trace (it records
-        # dispatcher ops only: _activate_'s write in place is none, and the
-        # graph must not depend on the grad mode, which check_trace changes):
-        # torch's GEMM, the functional activation
+    if _fwad._current_level >= 0 or not torch.compiler.is_compiling() and _functorch_stack() is not None:
+        # torch.func's transforms (the ctx-style Function is refused there) and
+        # tangents (Note [forward-mode AD]): torch's GEMM, the functional activation
         h = F.linear(x, weight, bias)
         return ops.silu(h) if activation == "silu" else ops.gelu(h, "tanh" if activation == "gelu_tanh" else "none")
     x2 = x.reshape(-1, x.shape[-1])
+    if _tracing_state() is not None:
+        # torch.jit.trace records dispatcher ops only (_activate_'s write in
+        # place is none), and the graph must not depend on the grad mode
+        # (check_trace changes it): our GEMM route (16-bit widened where that
+        # is the policy), the functional custom op
+        h = _gemm(x2, weight, bias)
+        y = ops.silu(h) if activation == "silu" else ops.gelu(h, "tanh" if activation == "gelu_tanh" else "none")
+        return y.view(*x.shape[:-1], weight.shape[0])
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
     if grad:
