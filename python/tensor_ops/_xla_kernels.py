@@ -150,6 +150,16 @@ def layer_norm(x, w, b, eps):
     return _ln(_acc(x), _acc(w), None if b is None else _acc(b), eps).astype(x.dtype)
 
 
+@_jit("kn")
+def linear(x, w, b, kn):
+    """x @ w.T + b (kn: x @ w + b), products accumulated in fp32, x's dtype."""
+    jnp = _jax().numpy
+    y = jnp.matmul(x, w if kn else w.T, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + _acc(b)
+    return y.astype(x.dtype)
+
+
 @_jit()
 def add_rms_norm(x, r, w, eps):
     s = (_acc(x) + _acc(r)).astype(x.dtype)  # normalise the residual as stored

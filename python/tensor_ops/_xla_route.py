@@ -133,7 +133,7 @@ def _call(shim, args, kwargs, host: bool):
 # a result that refuses to be differentiated, as torch's once_differentiable
 # does); under torch.no_grad, or with nothing that requires grad, nothing
 # changes. out= records nothing, so it is refused there, as torch refuses it.
-ROUTED = (*OPS, "linear")
+ROUTED = tuple(OPS)
 
 
 def _grad_on() -> bool:

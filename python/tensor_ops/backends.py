@@ -104,17 +104,12 @@ def _native_backends() -> List[BackendStatus]:
     return [BackendStatus(**{**b, "ops": tuple(b["ops"])}) for b in _C.backends()]
 
 
-# Kernel ops the XLA shim has no function for (it refuses them by name).
-_SHIM_LACKS = ("linear",)
-
-
 def _shim_status(native: List[BackendStatus]) -> BackendStatus:
     """The XLA shim (python, jax) as a backend: it registers as "tpu" on a TPU
-    host and as "xla" elsewhere; it has every op but _SHIM_LACKS (ops are
-    listed by kernel name, as the native backends' are: the CPU backend has
-    them all)."""
+    host and as "xla" elsewhere; it has every op (ops are listed by kernel
+    name, as the native backends' are: the CPU backend has them all)."""
     kernel_ops = next((b.ops for b in native if b.name == "cpu"), ())
-    return BackendStatus(**_xla.backend_status(), ops=tuple(op for op in kernel_ops if op not in _SHIM_LACKS))
+    return BackendStatus(**_xla.backend_status(), ops=tuple(kernel_ops))
 
 
 def _require_shim(name: str) -> BackendStatus:

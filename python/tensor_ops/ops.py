@@ -13,7 +13,7 @@ from . import _C, _checks
 from ._arrays import Arg, bump_version, check_out, empty_like, run
 from ._optable import invoke
 from ._types import Approximate, Array, CausalAlignment, Reduction
-from .errors import ExternalBackendSelected, InvalidArgumentError, UnsupportedError
+from .errors import InvalidArgumentError
 
 
 def _eps(eps) -> float:
@@ -361,11 +361,7 @@ def linear(x: Array, weight: Array, bias: Array | None = None, *, weight_layout:
     transposed view) is copied first: pass the weight as it is stored, with
     the layout that names it."""
     kn = _checks.choice("weight_layout", weight_layout, WEIGHT_LAYOUTS) == "kn"
-    try:
-        return invoke("linear", (x, weight, bias), (1,) if kn else (), out)  # 1: WeightLayout::KN
-    except ExternalBackendSelected:  # the XLA shim has no linear (backends._SHIM_LACKS)
-        raise UnsupportedError(f"op linear is not implemented by backend '{_C.selected_backend()}' (the XLA "
-                               "shim); select the cpu backend for it") from None
+    return invoke("linear", (x, weight, bias), (1,) if kn else (), out)  # 1: WeightLayout::KN
 
 
 __all__ = [

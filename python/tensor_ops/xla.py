@@ -262,6 +262,32 @@ def geglu(gate, up, approximate: str = "none"):
     return _tx().glu(gate, up, act) if is_torch_xla(gate) else _glu("glu", gate, up, act)
 
 
+def linear(x, weight, bias=None, *, weight_layout: str = "nk"):
+    """x @ weight.T + bias (weight [N, K]; weight_layout "kn": weight [K, N],
+    x @ weight + bias), products accumulated in fp32, in x's dtype: the
+    native op's contract."""
+    kn = _checks.choice("weight_layout", weight_layout, ("nk", "kn")) == "kn"
+    if is_torch_xla(x):
+        F = sys.modules["torch"].nn.functional
+        y = F.linear(x.float(), (weight.t() if kn else weight).float(), None if bias is None else bias.float())
+        return y.to(x.dtype)
+    x, weight = _as_jax(x), _as_jax(weight)
+    _float("linear", "x", x)
+    _float("linear", "weight", weight, x)
+    _rank("linear", x, 1)
+    k = x.shape[-1]
+    if weight.ndim != 2 or weight.shape[0 if kn else 1] != k:
+        raise InvalidArgumentError(f"linear: weight must be [{'K, N' if kn else 'N, K'}] with K = {k} (x has shape "
+                                   f"{list(x.shape)}), got {list(weight.shape)}")
+    if bias is not None:
+        bias = _as_jax(bias)
+        _float("linear", "bias", bias, x)
+        n = weight.shape[1 if kn else 0]
+        if bias.ndim != 1 or bias.shape[0] != n:
+            raise InvalidArgumentError(f"linear: bias must have shape [{n}], got {list(bias.shape)}")
+    return _k.linear(x, weight, bias, kn)
+
+
 def _positions(positions, B: int, S: int):
     jnp = _jax().numpy
     if positions is None:
@@ -516,7 +542,7 @@ def geglu_backward(dy, gate, up, approximate: str = "none"):
 # Every op of tensor_ops' API, by name: what the top level routes here.
 OPS: Dict[str, Any] = {f.__name__: f for f in (
     rms_norm, silu, gelu, layer_norm, add_rms_norm, softmax, log_softmax, swiglu, geglu, rope, attention,
-    cross_entropy, cross_entropy_with_grad, rms_norm_backward, layer_norm_backward, softmax_backward,
+    cross_entropy, cross_entropy_with_grad, linear, rms_norm_backward, layer_norm_backward, softmax_backward,
     log_softmax_backward, silu_backward, gelu_backward, swiglu_backward, geglu_backward, rope_backward,
     attention_backward)}
 

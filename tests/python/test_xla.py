@@ -592,3 +592,31 @@ def test_layer_norm_far_from_zero_as_accurate_as_the_cpu_kernel():
         dx, _, _ = tensor_ops.layer_norm_backward(jnp.asarray(dy), jnp.asarray(x), jnp.asarray(w), 1e-5)
         dx_cpu, _, _ = tensor_ops.layer_norm_backward(dy, x, w, 1e-5)
         assert np.abs(np.asarray(dx) - dx_cpu).max() < 1e-3 * np.abs(dx_cpu).max(), offset
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_linear_on_jax_arrays(layout, dtype, rng):
+    """linear on jax arrays is the shim's (it had none: jax float32 came back
+    as numpy through DLPack, bfloat16 raised 'Unsupported dtype in DLTensor',
+    and under jit / grad a ConcretizationTypeError): a jax array of x's
+    dtype, fp32 accumulation, in jit and under grad."""
+    nd = np_dtype(dtype)
+    x = rng.standard_normal((3, 5, 37)).astype(np.float32).astype(nd)
+    w = rng.standard_normal((37, 11) if layout == "kn" else (11, 37)).astype(np.float32).astype(nd)
+    b = rng.standard_normal(11).astype(np.float32).astype(nd)
+    want = to64(x) @ (to64(w) if layout == "kn" else to64(w).T) + to64(b)
+    xj, wj, bj = jnp.asarray(x), jnp.asarray(w), jnp.asarray(b)
+    for y in (tensor_ops.linear(xj, wj, bj, weight_layout=layout),
+              jax.jit(lambda a, c, d: tensor_ops.linear(a, c, d, weight_layout=layout))(xj, wj, bj)):
+        assert isinstance(y, jax.Array) and y.dtype == xj.dtype and y.shape == (3, 5, 11)
+        assert_close(np.asarray(y), want, dtype, "linear")
+    g = jax.grad(lambda a: tensor_ops.linear(a, wj, None, weight_layout=layout).astype(jnp.float32).sum())(xj)
+    gw = to64(w).sum(1 if layout == "kn" else 0)
+    assert_close(np.asarray(g), np.broadcast_to(gw, x.shape), dtype, "linear grad")
+    with tensor_ops.use("xla"):  # host arrays on the shim: numpy back
+        y = tensor_ops.linear(x, w, b, weight_layout=layout)
+    assert isinstance(y, np.ndarray)
+    assert_close(y, want, dtype, "linear (shim, numpy)")
+    with pytest.raises(ValueError, match="weight must be"):
+        tensor_ops.linear(xj, jnp.asarray(np.ones((4, 4), nd)))

@@ -274,7 +274,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         # The op itself, not the routing wrapper (~0.9 us more per call): the checks above are what it routes on.
         return _ops.linear(x, weight, bias) if weight_layout == "nk" else _ops.linear(x, weight, bias, weight_layout="kn")
     except UnsupportedError:
-        return None  # the active backend has no linear kernel (or the XLA shim is selected)
+        return None  # the active backend has no linear kernel (the XLA shim selected: torch's GEMM)
     except RuntimeError:
         if torch._C._functorch.peek_interpreter_stack() is None:
             raise
