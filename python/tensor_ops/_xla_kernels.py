@@ -215,7 +215,9 @@ def softmax(x, scale, causal, log):
     keep = _causal_keep(*x.shape[-2:], causal) if causal else None
     hi = xf if keep is None else jnp.where(keep, xf, -jnp.inf)
     lo = xf if keep is None else jnp.where(keep, xf, jnp.inf)
-    ext = jnp.where(scale >= 0, jnp.max(hi, axis=-1, keepdims=True), jnp.min(lo, axis=-1, keepdims=True))
+    # initial: a row of width 0 has no extreme (reductions without one raised)
+    ext = jnp.where(scale >= 0, jnp.max(hi, axis=-1, keepdims=True, initial=-jnp.inf),
+                    jnp.min(lo, axis=-1, keepdims=True, initial=jnp.inf))
     v = (xf - jnp.where(jnp.isfinite(ext), ext, 0.0)) * scale
     return _masked_softmax(v, keep, log).astype(x.dtype)
 
@@ -331,7 +333,7 @@ def rms_norm_backward(dy, x, w, eps, offset):
 def layer_norm_backward(dy, x, w, eps, bias):
     jnp = _jax().numpy
     dx, dw = _vjp(lambda a, b: _ln(a, b, None, eps), (x, w), dy)
-    db = jnp.sum(_acc(dy).reshape(-1, dy.shape[-1]), axis=0).astype(w.dtype) if bias else None
+    db = jnp.sum(_acc(dy), axis=tuple(range(dy.ndim - 1))).astype(w.dtype) if bias else None  # 0 columns too
     return dx, dw, db
 
 

@@ -620,3 +620,17 @@ def test_linear_on_jax_arrays(layout, dtype, rng):
     assert_close(y, want, dtype, "linear (shim, numpy)")
     with pytest.raises(ValueError, match="weight must be"):
         tensor_ops.linear(xj, jnp.asarray(np.ones((4, 4), nd)))
+
+
+@pytest.mark.parametrize("shape", [(8, 0), (0, 0), (2, 3, 0)])
+def test_rows_of_width_zero(shape):
+    """Rows of width 0 give empty results on the shim, as natively: softmax
+    (a max with no identity) and layer_norm_backward (reshape(-1, 0)) raised."""
+    x = jnp.zeros(shape, jnp.float32)
+    w = jnp.ones(shape[-1], jnp.float32)
+    for y in (tensor_ops.softmax(x), tensor_ops.log_softmax(x), tensor_ops.softmax(x, causal=True),
+              tensor_ops.softmax(x, scale=-1.0), *tensor_ops.layer_norm_backward(x, x, w),
+              jax.grad(lambda a: tensor_ops.softmax(a).sum())(x)):
+        assert y is not None and y.size == 0
+    dx, dw, db = tensor_ops.layer_norm_backward(x, x, w)
+    assert dx.shape == shape and dw.shape == db.shape == (0,)
