@@ -5,15 +5,27 @@ from __future__ import annotations
 
 import numbers
 import operator
+import sys
 
 import numpy as np
 
 from .errors import ArgumentTypeError, InvalidArgumentError
 
 
+def _zero_d_real(value) -> bool:
+    """A 0-d numpy or (concrete) jax array of a real dtype: np.array(0.5),
+    jnp.float32(0.5). Not a torch tensor: float() would drop its gradient."""
+    if isinstance(value, np.ndarray):
+        return value.ndim == 0 and value.dtype.kind in "fiu"
+    jax = sys.modules.get("jax")
+    return (jax is not None and isinstance(value, jax.Array) and value.ndim == 0
+            and value.dtype.kind in "fiu" and not isinstance(value, jax.core.Tracer))
+
+
 def real(name: str, value, *, nonneg: bool = False) -> float:
-    """A finite real number (int, float, numpy scalar; not bool or str)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    """A finite real number (int, float, numpy scalar, a 0-d numpy / jax
+    array of a real dtype; not bool or str)."""
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or _zero_d_real(value)):
         raise ArgumentTypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     v = float(value)
     if not v - v == 0.0:  # not finite (inf - inf and NaN are NaN); math.isfinite breaks a compiled graph

@@ -21,7 +21,7 @@ import numpy as np
 from . import _checks
 from . import _xla_kernels as _k
 from ._xla_kernels import _jax
-from .errors import BackendUnavailableError, DTypeError, InvalidArgumentError, UnsupportedError
+from .errors import ArgumentTypeError, BackendUnavailableError, DTypeError, InvalidArgumentError, UnsupportedError
 from .ops import causal_mode
 
 NAMES = ("xla", "tpu")  # both select the shim; "tpu" is the name users know
@@ -89,9 +89,22 @@ def _rank(op: str, x, n: int):
         raise InvalidArgumentError(f"{op}: x must have at least {n} dimension(s), got shape {list(x.shape)}")
 
 
+def _constant(op: str, name: str, value) -> None:
+    """Scalars (eps, scale, offset) are compile-time constants of the ops: a
+    jax tracer there (an argument of jax.jit, a value jax.grad differentiates)
+    is refused in words (it raised ConcretizationTypeError, or "must be a
+    real number" of a real number)."""
+    if not _concrete(value):
+        raise ArgumentTypeError(
+            f"{op}: {name} is traced by jax ({type(value).__name__}); tensor_ops takes {name} as a constant: "
+            f"under jax.jit mark it static (static_argnums / static_argnames) or close over a Python float; "
+            f"a {name} to differentiate is not supported")
+
+
 def _offset(op: str, offset) -> float:
     """rms_norm's weight offset, as the kernels take it: -0.0 for none (w +
     -0.0 is w bit for bit; +0.0 would turn a -0.0 weight into +0.0)."""
+    _constant(op, "offset", offset)
     if isinstance(offset, (bool, str, bytes)) or not hasattr(offset, "__float__"):
         raise TypeError(f"{op}: offset must be a real number, got {type(offset).__name__}")
     offset = float(offset)
@@ -101,6 +114,7 @@ def _offset(op: str, offset) -> float:
 
 
 def _eps(op: str, eps) -> float:
+    _constant(op, "eps", eps)
     if isinstance(eps, (str, bytes)) or not hasattr(eps, "__float__"):
         raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
     eps = float(eps)
@@ -111,6 +125,7 @@ def _eps(op: str, eps) -> float:
 
 def _scale(op: str, scale) -> float:
     # the native ops' checks (_checks.real): no float('2'), no bool
+    _constant(op, "scale", scale)
     return _checks.real(f"{op}: scale", scale)
 
 
@@ -210,11 +225,12 @@ def _softmax(op: str, x, dim, scale, causal, log, causal_alignment):
     if not is_torch_xla(x):
         x = _as_jax(x)
         _float(op, "x", x)
+    dim = _checks.integer("dim", dim)  # numpy integers too
     if x.ndim == 0:  # torch's rule: a 0-d array is a row of one (dim -1 or 0)
-        if not isinstance(dim, int) or dim not in (-1, 0):
+        if dim not in (-1, 0):
             raise InvalidArgumentError(f"dim {dim!r} is out of range for a 0-d array (-1 or 0)")
         return _softmax(op, x.reshape((1,)), -1, scale, causal, log, causal_alignment).reshape(())
-    if not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
+    if not -x.ndim <= dim < x.ndim:
         raise InvalidArgumentError(f"dim {dim!r} is out of range for an array of shape {tuple(x.shape)}")
     dim %= x.ndim
     if causal:
@@ -488,9 +504,10 @@ def _softmax_bwd(dy, y, dim, scale, log):
     _float("softmax_backward", "y", y)
     _float("softmax_backward", "dy", dy, y)
     _same_shape("softmax_backward", "dy", dy, y)
-    if y.ndim == 0 and isinstance(dim, int) and dim in (-1, 0):  # a row of one, as softmax
+    dim = _checks.integer("dim", dim)  # numpy integers too
+    if y.ndim == 0 and dim in (-1, 0):  # a row of one, as softmax
         return _softmax_bwd(dy.reshape((1,)), y.reshape((1,)), -1, scale, log).reshape(())
-    if y.ndim == 0 or not isinstance(dim, int) or not -y.ndim <= dim < y.ndim:
+    if y.ndim == 0 or not -y.ndim <= dim < y.ndim:
         raise InvalidArgumentError(f"dim {dim!r} is out of range for an array of shape {tuple(y.shape)}")
     scale = _scale("softmax_backward", scale)
     dx = _k.softmax_backward(jnp.moveaxis(dy, dim, -1), jnp.moveaxis(y, dim, -1), scale, log)

@@ -634,3 +634,25 @@ def test_rows_of_width_zero(shape):
         assert y is not None and y.size == 0
     dx, dw, db = tensor_ops.layer_norm_backward(x, x, w)
     assert dx.shape == shape and dw.shape == db.shape == (0,)
+
+
+def test_scalar_arguments_traced_or_as_arrays():
+    """eps / scale are constants of the ops: traced by jax (a jit argument, a
+    differentiated temperature) they are refused in words (a raw
+    ConcretizationTypeError, or "must be a real number" of a real number);
+    concrete 0-d arrays (jnp.float32(0.5), np.array(0.5)) and numpy integer
+    dims are taken, on the shim as natively."""
+    x, w = jnp.ones((2, 8), jnp.float32), jnp.ones(8, jnp.float32)
+    for f in (lambda e: tensor_ops.rms_norm(x, w, e), lambda s: tensor_ops.softmax(x, scale=s),
+              lambda s: tensor_ops.attention(x[None, None], x[None, None], x[None, None], scale=s)):
+        with pytest.raises(TypeError, match="is traced by jax .*static_argnums"):
+            jax.jit(f)(0.5)
+    with pytest.raises(TypeError, match="scale is traced by jax"):
+        jax.grad(lambda s: tensor_ops.softmax(x, scale=s).sum())(0.5)
+    xn = np.arange(12, dtype=np.float32).reshape(3, 4)
+    want = np.asarray(tensor_ops.softmax(xn, 0, 0.5))
+    for a in (xn, jnp.asarray(xn)):
+        for dim, scale in ((np.int64(0), 0.5), (0, np.array(0.5)), (0, jnp.float32(0.5)), (0, np.float32(0.5))):
+            np.testing.assert_allclose(np.asarray(tensor_ops.softmax(a, dim, scale)), want, rtol=1e-6)
+    with pytest.raises(TypeError, match="real number"):
+        tensor_ops.softmax(xn, 0, np.array([0.5]))  # not 0-d
