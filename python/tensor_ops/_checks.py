@@ -45,6 +45,15 @@ def integer(name: str, value) -> int:
         raise ArgumentTypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
 
 
+def int64(name: str, value) -> int:
+    """An integer the kernels take as int64 (ignore_index): out of range is a
+    ValueError naming it, not the binding's signature dump."""
+    v = integer(name, value)
+    if not -2 ** 63 <= v < 2 ** 63:
+        raise InvalidArgumentError(f"{name} must fit in int64, got {v}")
+    return v
+
+
 def flag(name: str, value) -> bool:
     """A bool (Python or numpy); 'False', 0.0 and None are refused, not read as truth values."""
     if isinstance(value, (bool, np.bool_)):

@@ -47,7 +47,7 @@ def default_chunk_size(n: int, hidden: int, vocab: int) -> int:
 
 def check_options(ignore_index, reduction, chunk_size) -> tuple:
     """(ignore_index, reduction, chunk_size) type- and range-checked; chunk_size may be None."""
-    ignore_index = _checks.integer("ignore_index", ignore_index)
+    ignore_index = _checks.int64("ignore_index", ignore_index)
     reduction = _checks.choice("reduction", reduction, REDUCTIONS)
     if chunk_size is not None and _checks.integer("chunk_size", chunk_size) < 1:
         raise InvalidArgumentError(f"fused_linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")

@@ -294,7 +294,7 @@ def _ce_options(label_smoothing, z_loss, softcap):
 def _ce(logits, target, ignore_index, reduction, grad, label_smoothing=0.0, z_loss=0.0, softcap=None,
         inplace=False):
     _checks.choice("reduction", reduction, ("mean", "sum", "none"))
-    ignore_index = _checks.integer("ignore_index", ignore_index)
+    ignore_index = _checks.int64("ignore_index", ignore_index)
     options = _ce_options(label_smoothing, z_loss, softcap)
     inplace = _checks.flag("inplace", inplace)
     lg, tg = Arg(logits, "logits"), Arg(target, "target")

@@ -429,7 +429,7 @@ def _ce_options(label_smoothing, z_loss, softcap):
 
 def _ce(logits, target, ignore_index, reduction, label_smoothing=0.0, z_loss=0.0, softcap=None):
     jnp = _jax().numpy
-    ignore_index = _checks.integer("ignore_index", ignore_index)  # as the native op: no int(1.5)
+    ignore_index = _checks.int64("ignore_index", ignore_index)  # as the native op: no int(1.5), int64
     ls, zl, cap = _ce_options(label_smoothing, z_loss, softcap)
     logits, target = _ce_args(logits, target, reduction)
     if _concrete(target) and target.size:

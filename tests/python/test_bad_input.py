@@ -359,3 +359,16 @@ def test_tensor_ops_tensor_under_the_xla_shim_is_named():
     t = tensor_ops.from_numpy(np.ones((4, 16), np.float32))
     with tensor_ops.use("xla"), pytest.raises(tensor_ops.UnsupportedError, match=r"not tensor_ops.Tensor \(float32\[4, 16\]"):
         tensor_ops.silu(t)
+
+
+def test_ignore_index_beyond_int64_is_refused_in_words():
+    """ignore_index >= 2**63 gave the binding's raw 'incompatible function
+    arguments' TypeError with its signature dump."""
+    logits, target = np.zeros((2, 3), np.float32), np.array([0, 1])
+    for big in (2 ** 63, -2 ** 63 - 1, 2 ** 70):
+        with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+            tensor_ops.cross_entropy(logits, target, big)
+        with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+            tensor_ops.fused_linear_cross_entropy(np.ones((2, 4), np.float32), np.ones((3, 4), np.float32), target,
+                                                  ignore_index=big)
+    assert np.isfinite(tensor_ops.cross_entropy(logits, target, 2 ** 63 - 1))
