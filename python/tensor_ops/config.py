@@ -99,6 +99,21 @@ def _parse(text: str, typ: str, where: str):
         raise InvalidArgumentError(f"{where}: cannot read {text!r} as {typ}") from None
 
 
+def _check_type(where: str, value, typ: str) -> None:
+    """A field's value of its declared type (bool, int, float or str): a
+    TypeError naming it otherwise."""
+    from . import _checks
+
+    if "bool" in typ:
+        _checks.flag(where, value)
+    elif "int" in typ:
+        _checks.integer(where, value)
+    elif "float" in typ:
+        _checks.real(where, value)
+    elif "str" in typ and not isinstance(value, str):
+        raise TypeError(f"{where} must be a str, got {type(value).__name__} {value!r}")
+
+
 @dataclasses.dataclass
 class TensorOpsConfig:
     backend: Optional[str] = None
@@ -213,6 +228,12 @@ class TensorOpsConfig:
             if self.backend not in known:
                 raise InvalidArgumentError(
                     f"unknown backend {self.backend!r}; valid backends: auto, {', '.join(known)}")
+        for section in _SECTIONS:  # by type, never converted (threads=2.5 ran 2 threads, True 1)
+            part = getattr(self, section)
+            for f in dataclasses.fields(part):
+                v = getattr(part, f.name)
+                if v is not None:
+                    _check_type(f"{section}.{f.name}", v, str(f.type))
         if self.cpu.threads is not None and not 1 <= int(self.cpu.threads) <= 1024:
             raise InvalidArgumentError(f"cpu.threads must be in 1..1024, got {self.cpu.threads}")
         f = self.cuda.memory_fraction

@@ -51,7 +51,7 @@ def empty_cache(device=None) -> None:
 
 def set_memory_fraction(fraction: float, device=None) -> None:
     """Caps what the device's pool may reserve at fraction * total memory."""
-    _C.set_memory_fraction(float(fraction), _device(device))
+    _C.set_memory_fraction(_checks.real("fraction", fraction), _device(device))  # no float("0.5")
 
 
 def reset_peak_memory_stats(device=None) -> None:

@@ -169,11 +169,13 @@ def set_pool_limits(pool_id: str, max_cached_bytes: Optional[int] = None,
     with _lock:
         p = _pool(pool_id)
         if max_cached_bytes is not None:
-            if int(max_cached_bytes) < 0:
+            max_cached_bytes = _checks.integer("max_cached_bytes", max_cached_bytes)  # no int(1.7), no int("3")
+            if max_cached_bytes < 0:
                 raise InvalidArgumentError(f"max_cached_bytes must be >= 0, got {max_cached_bytes}")
             p.max_cached_bytes = int(max_cached_bytes)
         if max_cached_tensors is not None:
-            if int(max_cached_tensors) < 0:
+            max_cached_tensors = _checks.integer("max_cached_tensors", max_cached_tensors)
+            if max_cached_tensors < 0:
                 raise InvalidArgumentError(f"max_cached_tensors must be >= 0, got {max_cached_tensors}")
             p.max_cached_tensors = int(max_cached_tensors)
         while p.order and (p.cached_bytes > p.max_cached_bytes or len(p.order) > p.max_cached_tensors):

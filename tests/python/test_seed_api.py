@@ -239,6 +239,25 @@ def test_cpu_threads_resize_the_pool(restore):
     assert dev.properties["threads"] == "4"
 
 
+def test_settings_are_checked_by_type_not_converted(restore, pool_id):
+    """A setting of the wrong type is a TypeError naming it (threads=2.5 ran
+    2 threads, True 1; set_pool_limits(p, 1.7) set 1 byte;
+    set_memory_fraction("0.5") was taken), and nothing is applied."""
+    before = tensor_ops._C.cpu_num_threads()
+    for section, value in (("cpu", {"threads": 2.5}), ("cpu", {"threads": True}), ("opencl", {"device": 1.0}),
+                           ("cuda", {"allow_tf32": 1}), ("memory", {"pool_max_cached_mb": 0.5})):
+        with pytest.raises(TypeError, match=f"{section}.{next(iter(value))} must be"):
+            tensor_ops.configure(**{section: value})
+    assert tensor_ops._C.cpu_num_threads() == before
+    with pytest.raises(TypeError, match="max_cached_bytes must be an integer"):
+        tensor_ops.set_pool_limits(pool_id, 1.7)
+    with pytest.raises(TypeError, match="max_cached_tensors must be an integer"):
+        tensor_ops.set_pool_limits(pool_id, None, "3")
+    with pytest.raises(TypeError, match="fraction must be a real number"):
+        tensor_ops.set_memory_fraction("0.5")
+    assert tensor_ops.configure(cpu={"threads": 2}).cpu.threads == 2
+
+
 def test_torch_passthrough_flags(restore):
     lines = tensor_ops.TensorOpsConfig.for_development().apply()
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
