@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -161,8 +162,9 @@ def print_table(header, rows) -> None:
 
 def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tensor_ops", description=__doc__.splitlines()[0])
-    p.add_argument("--shape", type=int, nargs=2, default=[2048, 4096], metavar=("ROWS", "COLS"))
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--shape", type=int, nargs=2, default=None, metavar=("ROWS", "COLS"),
+                   help="the ops' input shape (default 2048 4096; --quick: 64 1024)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per op (default 10; --quick: 3)")
     p.add_argument("--quick", action="store_true", help="small shape, few repetitions, a smaller triad")
     p.add_argument("--backend", metavar="NAME", help="run only this backend (see the Backends table)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the speed table")
@@ -172,8 +174,19 @@ def parse_args(argv) -> argparse.Namespace:
                    help="print the folder of tensor_opsConfig.cmake (for -Dtensor_ops_DIR=...) and exit")
     p.add_argument("--include", action="store_true", help="print the C/C++ include folder and exit")
     args = p.parse_args(argv)
-    if args.quick:
-        args.shape, args.reps = [64, 1024], 3
+    # --quick sets what --shape / --reps leave unset (it overrode them silently)
+    if args.shape is None:
+        args.shape = [64, 1024] if args.quick else [2048, 4096]
+    if args.reps is None:
+        args.reps = 3 if args.quick else 10
+    if min(args.shape) < 1:
+        p.error(f"--shape needs two dimensions >= 1, got {args.shape[0]} {args.shape[1]}")
+    if args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            p.error(f"{flag} {path}: the folder {folder} does not exist or is not writable")  # before the run
     return args
 
 

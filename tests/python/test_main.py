@@ -73,6 +73,27 @@ def test_backend_that_is_not_there_is_a_clear_error():
     assert r.returncode != 0 and "--backend nosuch: no such backend (have: cpu" in r.stderr, r.stderr
 
 
+def test_flags_are_checked_before_the_run():
+    """Bad numbers and an output path that cannot be written are usage
+    errors before anything runs (numpy tracebacks, an IndexError, or a
+    FileNotFoundError after the whole run); --quick fills in only what
+    --shape / --reps leave unset (it overrode them)."""
+    from tensor_ops.__main__ import parse_args
+
+    for args, words in ((["--shape", "0", "0"], "--shape needs two dimensions >= 1"),
+                        (["--shape", "-1", "5"], "--shape needs two dimensions >= 1"),
+                        (["--reps", "0"], "--reps must be >= 1"),
+                        (["--json", "/nonexistent/dir/x.json"], "does not exist or is not writable")):
+        r = run_main(*args, "--backend", "cpu", "--no-compile", timeout=120)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-500:])
+    a = parse_args(["--quick", "--shape", "8", "8"])
+    assert (a.shape, a.reps) == ([8, 8], 3)
+    a = parse_args(["--quick", "--reps", "50"])
+    assert (a.shape, a.reps) == ([64, 1024], 50)
+    a = parse_args([])
+    assert (a.shape, a.reps) == ([2048, 4096], 10)
+
+
 def test_cmake_dir_and_include():
     r = run_main("--cmake-dir", "--include")
     assert r.returncode == 0, r.stderr
