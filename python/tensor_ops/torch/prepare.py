@@ -358,7 +358,9 @@ def prepare_model(model: nn.Module, level: Union[str, int, OptimizationLevel] = 
             m._buffers[name] = original
         model.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True)
         applied.append(f"reduced precision: {n} floating parameter/buffer tensors in {dtype}, "
-                       f"floating inputs cast on entry" + (f"; {kept} complex tensors kept as they were"
+                       f"floating inputs cast on entry (a forward pre-hook taking kwargs, which torch.jit.script "
+                       f"cannot compile: to script, prepare at O1 after model.to({dtype}))"
+                       + (f"; {kept} complex tensors kept as they were"
                                                            if kept else "")
                        + (f"; {len(rotary)} rotary inv_freq buffers kept in float32, as from_pretrained "
                           f"keeps them" if rotary else ""))
