@@ -1171,6 +1171,46 @@ def test_inference_mode_inputs_train_a_head():
         assert torch.isfinite(g).all()
 
 
+def test_attention_masks_as_torch_and_hf_read_them():
+    """SDPA refuses an integer attn_mask, as torch does (0 / 1 integers were
+    added to the scores: nothing masked); FlashAttention reads a 2-d 0. / 1.
+    float mask as HF's keep mask (it was added: padded keys attended), and a
+    float mask with other values (0 / -inf) stays additive."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 3, 8)
+    with pytest.raises(TypeError, match="attn_mask must be bool .* or floating"):
+        tt.scaled_dot_product_attention(q, q, q, torch.ones(3, 3, dtype=torch.long))
+    fa = tt.FlashAttention(16, 2).eval()
+    x = torch.randn(2, 5, 16)
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[0, 3:] = False
+    with torch.no_grad():
+        want = fa(x, keep)
+        for mask in (keep.long(), keep.float(), keep.to(torch.bfloat16),
+                     torch.zeros(2, 5).masked_fill(~keep, float("-inf"))):
+            assert torch.allclose(fa(x, mask), want, atol=1e-6), mask.dtype
+
+
+def test_scripted_hf_rms_norm_matches_eager_and_multi_dim_norms_check_shapes():
+    """HFRMSNorm's TorchScript branch: eps=None is float32's (as eager; 1e-6
+    put a script 0.74 off at x ~ 1e-3) and a multi-dim normalized_shape
+    averages every normalized dim (the last only: 0.71 off). A norm over
+    (4, 8) refuses an input not ending in (4, 8), as torch (the fold gave
+    another layout's answer for [2, 8, 4])."""
+    torch.manual_seed(0)
+    for shape, x in ((64, torch.randn(2, 64) * 1e-3), ((4, 16), torch.randn(3, 4, 16))):
+        m = tt.HFRMSNorm(shape)
+        with torch.no_grad():
+            m.weight.uniform_(0.5, 1.5)
+        assert (torch.jit.script(m)(x) - m(x)).abs().max() < 1e-5
+        assert (m(x) - nn.RMSNorm(shape)(x) * m.weight).abs().max() < 1e-5
+    for cls in (tt.LayerNorm, tt.RMSNorm):
+        m = cls((4, 8))
+        for bad in (torch.randn(2, 8, 4), torch.randn(2, 32)):
+            with pytest.raises(ValueError, match=r"expected input with shape \[\*, 4, 8\]"):
+                m(bad)
+
+
 def test_meta_tensors_take_the_fake_kernels():
     """Meta tensors (shape inference, init_empty_weights-style models): the
     functional ops and prepared modules give meta outputs of torch's shapes,

@@ -28,6 +28,12 @@ from . import functional as ops
 from ..ops import causal_mode
 
 
+def _zero_one(mask: torch.Tensor) -> bool:
+    """A floating mask of 0s and 1s with at least one 1: HF's keep mask as
+    floats (an additive mask holds 0 and negatives; all 0 is additive)."""
+    return bool(((mask == 0) | (mask == 1)).all() and (mask == 1).any())
+
+
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
@@ -46,7 +52,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask: Optional[torch.Tensor] = No
     with attn_mask (both apply). dropout_p applied when `training`. A row
     that attends to nothing gives zeros and zero gradients (see Note [fully
     masked rows]). enable_gqa is accepted as SDPA's (grouped-query k / v are
-    taken whatever its value)."""
+    taken whatever its value). An integer attn_mask is refused, as torch
+    refuses it."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if q.dim() == k.dim() == v.dim() == 3:  # [batch, seq, head_dim], as SDPA takes it: one head
@@ -58,6 +65,10 @@ def scaled_dot_product_attention(q, k, v, attn_mask: Optional[torch.Tensor] = No
                          f"seq, head_dim]), got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     mode = causal_mode(is_causal, causal_alignment)
     dropout = dropout_p if training else 0.0
+    if attn_mask is not None and attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        # torch refuses it too; added to the scores, 0 / 1 integers masked nothing
+        raise TypeError(f"attn_mask must be bool (True attends) or floating (added to the scores), got "
+                        f"{attn_mask.dtype} {list(attn_mask.shape)}")
     if attn_mask is None and dropout == 0.0:
         return ops.attention(q, k, v, is_causal, scale, causal_alignment=causal_alignment)
     s = (1.0 / math.sqrt(q.shape[-1])) if scale is None else float(scale)
@@ -86,7 +97,8 @@ class FlashAttention(nn.Module):
     """Multi-head self- (or cross-) attention: q/k/v projections, our
     attention, an output projection. forward(x, attention_mask=None,
     key_value=None) with x [batch, seq, embed_dim]. attention_mask: [batch,
-    Lk] (a key-padding mask, HF style: 1 / True = attend), or bool / additive
+    Lk] (a key-padding mask, HF style: 1 / True = attend, also as 0. / 1.
+    floats; a floating one with other values is additive), or bool / additive
     broadcastable to [batch, heads, Lq, Lk]. dropout on the attention
     probabilities in training mode only; causal_alignment "bottom_right"
     (the default: query i sees keys j <= i + Lk - Lq) or "top_left"
@@ -123,7 +135,9 @@ class FlashAttention(nn.Module):
                 raise ValueError(f"a 2-d attention_mask is [batch, key_len] = {(x.shape[0], kv.shape[1])}, "
                                  f"got {tuple(mask.shape)}")
             mask = mask[:, None, None, :]
-            if mask.dtype != torch.bool and not mask.is_floating_point():
+            # HF's 1 / 0 keep mask, also as floats (0. / 1.: added to the scores, padded keys were
+            # attended); a floating mask with other values (0 / -inf) is additive
+            if mask.dtype != torch.bool and (not mask.is_floating_point() or _zero_one(mask)):
                 mask = mask != 0
         out = scaled_dot_product_attention(q, k, v, mask, self.dropout, self.causal, training=self.training,
                                            causal_alignment=self.causal_alignment)

@@ -26,6 +26,10 @@ def _flat_last(x: torch.Tensor, normalized_shape) -> torch.Tensor:
     over the last dim)."""
     if len(normalized_shape) == 1:
         return x
+    if tuple(x.shape[x.dim() - len(normalized_shape):]) != tuple(normalized_shape) or x.dim() < len(normalized_shape):
+        # torch's words; the fold gave another layout's answer, or a reshape error
+        raise ValueError(f"Given normalized_shape={list(normalized_shape)}, expected input with shape "
+                         f"[*, {', '.join(map(str, normalized_shape))}], but got input of size {list(x.shape)}")
     return x.reshape(*x.shape[: x.dim() - len(normalized_shape)], math.prod(normalized_shape))
 
 
@@ -135,7 +139,9 @@ class HFRMSNorm(RMSNorm):
         if torch.jit.is_scripting():  # Note [scripted modules]: HF's forward
             eps = self.eps
             h = x.to(torch.float32)
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + (1e-6 if eps is None else eps))
+            dims = [-1 - i for i in range(len(self.normalized_shape))]  # every normalized dim, as eager
+            # eps None: float32's, as the eager forward (_OPMATH_EPS; 1e-6 put a script 0.74 off at x ~ 1e-3)
+            h = h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + (1.1920928955078125e-07 if eps is None else eps))
             w = self.weight
             return h.to(x.dtype) if w is None else w * h.to(x.dtype)
         return self._hf_forward(x)
