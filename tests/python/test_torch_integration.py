@@ -1211,6 +1211,23 @@ def test_scripted_hf_rms_norm_matches_eager_and_multi_dim_norms_check_shapes():
                 m(bad)
 
 
+def test_functional_and_fused_linear_edges_as_torch():
+    """A shape where a tensor belongs (F.layer_norm's order) is an
+    ArgumentTypeError naming it (AttributeError 'tuple' has no 'contiguous');
+    FusedLinearGELU with in_features 0 gives gelu(bias) and a 0-d input
+    torch's error (reshape / IndexError before)."""
+    x, w = torch.randn(3, 5), torch.ones(5)
+    for call in (lambda: tt.layer_norm(x, (5,), w), lambda: tt.rms_norm(x, [1.0] * 5)):
+        with pytest.raises(TypeError, match="expected a torch.Tensor, got"):
+            call()
+    m = tt.FusedLinearGELU(0, 4)
+    with torch.no_grad():
+        m.bias.uniform_(-1, 1)
+    assert torch.allclose(m(torch.randn(2, 0)), F.gelu(m.bias).expand(2, 4))
+    with pytest.raises(RuntimeError, match="at least 1D"):
+        tt.FusedLinearSiLU(1, 4)(torch.tensor(1.0))
+
+
 def test_meta_tensors_take_the_fake_kernels():
     """Meta tensors (shape inference, init_empty_weights-style models): the
     functional ops and prepared modules give meta outputs of torch's shapes,

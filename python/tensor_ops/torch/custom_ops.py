@@ -40,6 +40,7 @@ import tensor_ops as _to
 from tensor_ops._arrays import note_torch
 from tensor_ops._optable import torch_call
 from tensor_ops._xla_torch import _causal_keep
+from tensor_ops.errors import ArgumentTypeError
 
 note_torch()  # torch tensors take the routing's fast lane (torch may be imported after tensor_ops)
 
@@ -452,7 +453,13 @@ def _register_refusal(name, impl, kernel, op):
 
 
 def _c(t):
-    return None if t is None else t.contiguous()
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):  # F.layer_norm's order (normalized_shape second) gave AttributeError
+        raise ArgumentTypeError(f"expected a torch.Tensor, got {type(t).__name__} {t!r:.60}; tensor_ops.torch's ops "
+                                f"take tensors where torch.nn.functional may take shapes (layer_norm(x, weight, "
+                                f"bias, eps), rms_norm(x, weight, eps))")
+    return t.contiguous()
 
 
 def _like(x):

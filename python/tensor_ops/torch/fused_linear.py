@@ -104,8 +104,12 @@ def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias=None, activati
     "silu", on any leading dims of x."""
     if activation not in ("gelu", "gelu_tanh", "silu"):
         raise ValueError(f"activation must be 'gelu', 'gelu_tanh' or 'silu', got {activation!r}")
-    if x.dtype not in _KERNEL_DTYPES:  # a model cast to float64 after prepare_model: torch's arithmetic
-        _log_torch_dtype(FusedLinearGELU if activation != "silu" else FusedLinearSiLU, "F.linear + activation", x.dtype)
+    if x.dtype not in _KERNEL_DTYPES or x.dim() == 0 or x.shape[-1] == 0:
+        # a model cast to float64 after prepare_model: torch's arithmetic; a 0-d x (torch's error) and
+        # in_features 0 (the bias: reshape(-1, 0) raised) as torch's Linear + activation
+        if x.dtype not in _KERNEL_DTYPES:
+            _log_torch_dtype(FusedLinearGELU if activation != "silu" else FusedLinearSiLU, "F.linear + activation",
+                             x.dtype)
         h = F.linear(x, weight, bias)
         return F.silu(h) if activation == "silu" else F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
     if _fwad._current_level >= 0 or not torch.compiler.is_compiling() and _functorch_stack() is not None:
