@@ -1191,6 +1191,22 @@ def test_attention_masks_as_torch_and_hf_read_them():
             assert torch.allclose(fa(x, mask), want, atol=1e-6), mask.dtype
 
 
+def test_sdpa_value_head_dim_and_float64_as_torch():
+    """v's head dim other than q's was refused without a mask (taken with
+    one), float64 refused: both as torch's SDPA now, with gradients."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 6)
+    for dt in (torch.float32, torch.float64):
+        a, b, c = (t.to(dt).requires_grad_() for t in (q, k, v))
+        for causal in (False, True):
+            got = tt.scaled_dot_product_attention(a, b, c, is_causal=causal)
+            want = F.scaled_dot_product_attention(a, b, c, is_causal=causal)
+            assert got.dtype == dt and (got - want).abs().max() < (1e-5 if dt == torch.float32 else 1e-12)
+            g = torch.autograd.grad(got.sum(), (a, b, c))
+            w = torch.autograd.grad(want.sum(), (a, b, c))
+            assert all((x - y).abs().max() < (1e-5 if dt == torch.float32 else 1e-12) for x, y in zip(g, w))
+
+
 def test_scripted_hf_rms_norm_matches_eager_and_multi_dim_norms_check_shapes():
     """HFRMSNorm's TorchScript branch: eps=None is float32's (as eager; 1e-6
     put a script 0.74 off at x ~ 1e-3) and a multi-dim normalized_shape

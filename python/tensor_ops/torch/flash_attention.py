@@ -69,8 +69,11 @@ def scaled_dot_product_attention(q, k, v, attn_mask: Optional[torch.Tensor] = No
         # torch refuses it too; added to the scores, 0 / 1 integers masked nothing
         raise TypeError(f"attn_mask must be bool (True attends) or floating (added to the scores), got "
                         f"{attn_mask.dtype} {list(attn_mask.shape)}")
-    if attn_mask is None and dropout == 0.0:
+    kernel = q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if attn_mask is None and dropout == 0.0 and kernel and v.shape[-1] == q.shape[-1]:
         return ops.attention(q, k, v, is_causal, scale, causal_alignment=causal_alignment)
+    # The composite: a mask, dropout, v's head dim other than q's (the kernel takes one; torch takes
+    # both), float64 (torch's softmax: our kernels take 32 / 16-bit floats)
     s = (1.0 / math.sqrt(q.shape[-1])) if scale is None else float(scale)
     hq, hkv = q.shape[1], k.shape[1]
     if hq != hkv:
@@ -87,7 +90,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask: Optional[torch.Tensor] = No
         scores = scores.masked_fill(~keep, float("-inf"))
     empty = torch.isneginf(scores).all(-1, keepdim=True)
     scores = scores.masked_fill(empty, 0.0)  # finite rows: a finite softmax and backward; zeroed below
-    probs = ops.softmax(scores, -1).masked_fill(empty, 0.0)
+    probs = (ops.softmax(scores, -1) if kernel else torch.softmax(scores, -1)).masked_fill(empty, 0.0)
     if dropout:
         probs = F.dropout(probs, dropout, True)
     return torch.matmul(probs, v.to(acc)).to(q.dtype)
