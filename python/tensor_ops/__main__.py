@@ -374,11 +374,17 @@ def main(argv=None) -> int:
                 [[c["backend"], c["op"], c["dtype"], "-" if c["error"] is None else f"{c['error']:.2e}",
                   c.get("note") or ("ok" if c["ok"] else "FAIL")] for c in checks])
 
+    load_before = os.getloadavg()
     sp = speed(backends, unsupported, table, inputs32, args)
+    load_after = os.getloadavg()
+    sp["load_average"] = {"before": load_before, "after": load_after}
     tr = sp["triad"]
     print(f"\n== Speed, {rows}x{cols} float32, median of {args.reps} (each call returns fresh outputs); "
           f"GB/s = arrays read + written / time; STREAM triad in this run: {tr['gbps']:.1f} GB/s ({tr['impl']}, "
-          f"median of {tr['samples']}); an op whose arrays fit in cache can pass 100%")
+          f"median of {tr['samples']}); an op whose arrays fit in cache can pass 100%; "
+          f"vs torch eager / vs torch.compile = torch's time / this row's (> 1: this row is faster). "
+          f"Load average (1 min) {load_before[0]:.1f} before the timings, {load_after[0]:.1f} after, on "
+          f"{os.cpu_count()} CPUs: other work on the machine slows every row")
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}x"  # noqa: E731
     print_table(["op", "implementation", "ms", "p25-p75 ms", "GB/s", "% triad", "vs torch eager", "vs torch.compile"],
                 [[r["op"], r["impl"], f"{r['median_s'] * 1e3:.3f}",
