@@ -142,7 +142,8 @@ def main():
         tensor_ops._C.cpu_set_num_threads(threads)
         peak = gemm_peak(threads)
         print(f"threads {threads}: GEMM peak (torch.mm float32 2048^3) {peak:.1f} GFLOP/s")
-        cases = CASES[:1] if args.quick else CASES
+        # --quick: the first case of each kind asked for (it kept CASES[:1], a prefill: --only decode ran nothing)
+        cases = [next(c for c in CASES if c[0] == kind) for kind in ("prefill", "decode")] if args.quick else CASES
         for case in [c for c in cases if args.only in (None, c[0])]:
             for dtype in ([torch.float32] if args.quick else [torch.float32, torch.bfloat16]):
                 for causal in ([True] if case[0] == "decode" else [True, False]):

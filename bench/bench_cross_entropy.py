@@ -144,13 +144,18 @@ def main():
     p.add_argument("--shapes", nargs="*", default=[f"{n}x{c}" for n, c in SHAPES])
     p.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     p.add_argument("--threads", nargs="*", type=int, default=list(THREADS))
-    p.add_argument("--modes", nargs="*", default=["forward", "forward+backward"])
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--modes", nargs="*", default=["forward", "forward+backward"], choices=["forward", "forward+backward"])
+    p.add_argument("--reps", type=int, default=None, help="samples per implementation (default 7; --quick: 3)")
     p.add_argument("--gap-ms", type=float, default=GAP_MS)
     p.add_argument("--quick", action="store_true", help="256x32000, float32, 3 reps; RESULTS.md untouched")
+    explicit = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
     args = p.parse_args()
-    if args.quick:
-        args.shapes, args.dtypes, args.reps = ["256x32000"], ["float32"], 3
+    if args.quick:  # what --shapes / --dtypes / --reps leave unset (they were overridden silently)
+        args.shapes = args.shapes if "--shapes" in explicit else ["256x32000"]
+        args.dtypes = args.dtypes if "--dtypes" in explicit else ["float32"]
+    args.reps = (3 if args.quick else 7) if args.reps is None else args.reps
+    if args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
     mach = machine()
     results, checks = [], {}
     for threads in args.threads:

@@ -192,7 +192,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.shapes = args.shapes or ([QUICK_SHAPE] if args.quick else list(SHAPES))
     args.ops = args.ops or names
-    args.reps = args.reps or (QUICK_REPS if args.quick else 11)
+    args.reps = (QUICK_REPS if args.quick else 11) if args.reps is None else args.reps  # 0 is refused below
     if args.reps < 4:
         p.error(f"--reps must be >= 4 (quartiles), got {args.reps}")
     for rows, cols in args.shapes:

@@ -31,8 +31,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"], choices=["bfloat16", "float16"])
     args = ap.parse_args()
+    if args.reps < 1 or min(args.threads) < 1:
+        ap.error("--reps and --threads take numbers >= 1")
     os.environ["TENSOR_OPS_HALF_GEMM"] = "fp32"  # the route measured, whatever this CPU's policy says
     print(f"policy on this CPU (auto): bf16 widened={not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())}, "
           f"fp16 widened={not torch.cpu._is_amx_fp16_supported()}; load average {os.getloadavg()[0]:.1f}")

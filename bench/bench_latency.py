@@ -123,8 +123,8 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
     p.add_argument("--quick", action="store_true", help="smoke run: few calls, no torch.compile, RESULTS.md left alone")
     args = p.parse_args(argv)
-    args.number = args.number or (200 if args.quick else 2000)
-    args.repeat = args.repeat or (5 if args.quick else 25)
+    args.number = (200 if args.quick else 2000) if args.number is None else args.number  # 0 is refused below
+    args.repeat = (5 if args.quick else 25) if args.repeat is None else args.repeat
     if args.number < 1 or args.repeat < 4:
         p.error(f"--number must be >= 1 and --repeat >= 4, got {args.number}, {args.repeat}")
     return args

@@ -102,7 +102,7 @@ def run(reps: int, shape, thread_counts, impls):
                 s = samples[impl][-1]
                 print(f"T={threads} rep {r} {impl:36s} {s['seconds']:7.2f} s  peak +{s['peak_delta_mb']:7.0f} MB  "
                       f"loss {s['loss']:.6f}", flush=True)
-        base = samples[impls[0]]
+        base = samples[IMPLS[0]]  # torch's, wherever --impls puts it (main() requires it)
         for impl in impls:
             t = _stats([s["seconds"] for s in samples[impl]])
             m = _stats([s["peak_delta_mb"] for s in samples[impl]])
@@ -158,6 +158,10 @@ def main():
     ap.add_argument("--memory-only", action="store_true",
                     help="RESULTS.md without times and speedups (a loaded machine: peaks hold, times do not)")
     args = ap.parse_args()
+    if IMPLS[0] not in args.impls:  # every speedup and memory ratio is against it
+        ap.error(f"--impls must include {IMPLS[0]!r}: the table compares every implementation with it")
+    if args.reps < 1 or min(args.threads) < 1 or min(args.shape) < 1:
+        ap.error("--reps, --threads and --shape take numbers >= 1")
     shape, reps = ([512, 256, 4000], 2) if args.quick else (args.shape, args.reps)
     rows = run(reps, shape, args.threads, args.impls)
     md = markdown(rows, shape, reps, args.memory_only)

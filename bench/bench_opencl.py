@@ -260,6 +260,10 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llm", action="store_true", help="time the LLM op set instead of the --shapes sweep")
     args = ap.parse_args(argv)
+    for shape in args.shapes:
+        dims = shape.lower().split("x")
+        if len(dims) != 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            ap.error(f"--shapes takes ROWSxCOLS (e.g. 256x1024), got {shape!r}")
     if args.reps < (4 if args.llm else 10):
         ap.error("--reps must be at least 10 (4 with --llm)")
     status = {b.name: b for b in tensor_ops.backends()}["opencl"]

@@ -658,7 +658,7 @@ def parse_args(argv=None):
     args.shapes = args.shapes or ([QUICK_SHAPE] if args.quick else list(SHAPES))
     args.dtypes = args.dtypes or (["float32"] if args.quick else list(DTYPES))
     args.ops = args.ops or names
-    args.reps = args.reps or (QUICK_REPS if args.quick else 20)
+    args.reps = (QUICK_REPS if args.quick else 20) if args.reps is None else args.reps  # 0 is refused below
     if args.reps < 4:
         p.error(f"--reps must be >= 4 (quartiles), got {args.reps}")
     if torch is None and set(args.dtypes) & {"bfloat16"}:

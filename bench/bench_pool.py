@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -40,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--build-dir", type=pathlib.Path, default=ROOT / "build" / "bench_pool")
     p.add_argument("--no-results", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = p.parse_args(argv)
+    if shutil.which("cmake") is None:
+        p.error("the C++ pool benchmark is built with cmake, which is not on PATH (pip install cmake)")
     run(["cmake", "-S", ROOT, "-B", args.build_dir, *CONFIGURE])
     run(["cmake", "--build", args.build_dir, "--target", "bench_pool", "-j", "2"])
     (BENCH / "out").mkdir(exist_ok=True)
