@@ -184,6 +184,8 @@ def parse_args(argv) -> argparse.Namespace:
     if args.reps < 1:
         p.error(f"--reps must be >= 1, got {args.reps}")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and (path.endswith(os.sep) or os.path.isdir(path)):
+            p.error(f"{flag} {path}: a file name is needed, not a folder")
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             p.error(f"{flag} {path}: the folder {folder} does not exist or is not writable")  # before the run

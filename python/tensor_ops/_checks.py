@@ -16,10 +16,10 @@ def _zero_d_real(value) -> bool:
     """A 0-d numpy or (concrete) jax array of a real dtype: np.array(0.5),
     jnp.float32(0.5). Not a torch tensor: float() would drop its gradient."""
     if isinstance(value, np.ndarray):
-        return value.ndim == 0 and value.dtype.kind in "fiu"
+        return value.ndim == 0 and (value.dtype.kind in "fiu" or value.dtype.name == "bfloat16")
     jax = sys.modules.get("jax")
     return (jax is not None and isinstance(value, jax.Array) and value.ndim == 0
-            and value.dtype.kind in "fiu" and not isinstance(value, jax.core.Tracer))
+            and (value.dtype.kind in "fiu" or value.dtype.name == "bfloat16") and not isinstance(value, jax.core.Tracer))
 
 
 def real(name: str, value, *, nonneg: bool = False) -> float:

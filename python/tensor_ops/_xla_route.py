@@ -183,7 +183,7 @@ def _is_default(value, default) -> bool:
 def _as_torch(a):
     """A numpy array among torch arguments, as a torch tensor sharing its
     memory (what the autograd path takes); anything else as it is."""
-    if type(a) is not np.ndarray:
+    if type(a) is not np.ndarray or a.ndim == 0:  # a 0-d array is a scalar option (scale=np.array(0.5))
         return a
     torch = sys.modules["torch"]
     if a.dtype.name == "bfloat16":

@@ -83,7 +83,8 @@ def test_flags_are_checked_before_the_run():
     for args, words in ((["--shape", "0", "0"], "--shape needs two dimensions >= 1"),
                         (["--shape", "-1", "5"], "--shape needs two dimensions >= 1"),
                         (["--reps", "0"], "--reps must be >= 1"),
-                        (["--json", "/nonexistent/dir/x.json"], "does not exist or is not writable")):
+                        (["--json", "/nonexistent/dir/x.json"], "does not exist or is not writable"),
+                        (["--json", "/tmp/"], "a file name is needed")):
         r = run_main(*args, "--backend", "cpu", "--no-compile", timeout=120)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-500:])
     a = parse_args(["--quick", "--shape", "8", "8"])

@@ -1187,8 +1187,13 @@ def test_attention_masks_as_torch_and_hf_read_them():
     with torch.no_grad():
         want = fa(x, keep)
         for mask in (keep.long(), keep.float(), keep.to(torch.bfloat16),
-                     torch.zeros(2, 5).masked_fill(~keep, float("-inf"))):
+                     torch.zeros(2, 5).masked_fill(~keep, float("-inf")), (1 - keep.float()) * -1e9):
             assert torch.allclose(fa(x, mask), want, atol=1e-6), mask.dtype
+        # decided without a Python branch on the mask's data: one graph (a bool() of it broke fullgraph)
+        torch._dynamo.reset()
+        compiled = torch.compile(fa, fullgraph=True, backend="eager")
+        for mask in (keep.float(), (1 - keep.float()) * -1e9):
+            assert torch.allclose(compiled(x, mask), want, atol=1e-6)
 
 
 def test_sdpa_value_head_dim_and_float64_as_torch():

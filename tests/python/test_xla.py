@@ -656,3 +656,10 @@ def test_scalar_arguments_traced_or_as_arrays():
             np.testing.assert_allclose(np.asarray(tensor_ops.softmax(a, dim, scale)), want, rtol=1e-6)
     with pytest.raises(TypeError, match="real number"):
         tensor_ops.softmax(xn, 0, np.array([0.5]))  # not 0-d
+    import ml_dtypes
+    np.testing.assert_allclose(np.asarray(tensor_ops.softmax(a, 0, np.array(0.5, ml_dtypes.bfloat16))), want, rtol=1e-6)
+    if torch is not None:  # the autograd route took the 0-d array for a tensor and refused it
+        xg = torch.tensor(xn, requires_grad=True)
+        y = tensor_ops.softmax(xg, 0, np.array(0.5))
+        y.sum().backward()
+        assert np.allclose(y.detach().numpy(), want, rtol=1e-6) and xg.grad is not None

@@ -28,10 +28,15 @@ from . import functional as ops
 from ..ops import causal_mode
 
 
-def _zero_one(mask: torch.Tensor) -> bool:
-    """A floating mask of 0s and 1s with at least one 1: HF's keep mask as
-    floats (an additive mask holds 0 and negatives; all 0 is additive)."""
-    return bool(((mask == 0) | (mask == 1)).all() and (mask == 1).any())
+def _keep_or_additive(mask: torch.Tensor) -> torch.Tensor:
+    """A floating key-padding mask as an additive one: HF's keep mask as
+    floats (0s and 1s with at least one 1: 0 -> -inf) or, for any other
+    values (0 / -inf, 0 / -1e9), the mask as it is. Decided in tensor ops,
+    no Python branch on the data: a bool() of it broke torch.compile's
+    fullgraph and cost a sync per call."""
+    ones = mask == 1
+    keep = ((mask == 0) | ones).all() & ones.any()
+    return torch.where(keep, torch.zeros_like(mask).masked_fill(~ones, float("-inf")), mask)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,8 +145,8 @@ class FlashAttention(nn.Module):
             mask = mask[:, None, None, :]
             # HF's 1 / 0 keep mask, also as floats (0. / 1.: added to the scores, padded keys were
             # attended); a floating mask with other values (0 / -inf) is additive
-            if mask.dtype != torch.bool and (not mask.is_floating_point() or _zero_one(mask)):
-                mask = mask != 0
+            if mask.dtype != torch.bool:
+                mask = _keep_or_additive(mask) if mask.is_floating_point() else mask != 0
         out = scaled_dot_product_attention(q, k, v, mask, self.dropout, self.causal, training=self.training,
                                            causal_alignment=self.causal_alignment)
         b, _, n, _ = out.shape
