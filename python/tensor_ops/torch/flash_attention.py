@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import functional as ops
+from .modules import _KERNEL_DTYPES
 from ..ops import causal_mode
 
 
@@ -74,7 +75,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask: Optional[torch.Tensor] = No
         # torch refuses it too; added to the scores, 0 / 1 integers masked nothing
         raise TypeError(f"attn_mask must be bool (True attends) or floating (added to the scores), got "
                         f"{attn_mask.dtype} {list(attn_mask.shape)}")
-    kernel = q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    kernel = q.dtype in _KERNEL_DTYPES
     if attn_mask is None and dropout == 0.0 and kernel and v.shape[-1] == q.shape[-1]:
         return ops.attention(q, k, v, is_causal, scale, causal_alignment=causal_alignment)
     # The composite: a mask, dropout, v's head dim other than q's (the kernel takes one; torch takes

@@ -118,21 +118,18 @@ def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias=None, activati
         h = F.linear(x, weight, bias)
         return ops.silu(h) if activation == "silu" else ops.gelu(h, "tanh" if activation == "gelu_tanh" else "none")
     x2 = x.reshape(-1, x.shape[-1])
-    if _tracing_state() is not None:
-        # torch.jit.trace records dispatcher ops only (_activate_'s write in
-        # place is none), and the graph must not depend on the grad mode
-        # (check_trace changes it): our GEMM route (16-bit widened where that
-        # is the policy), the functional custom op
-        h = _gemm(x2, weight, bias)
-        y = ops.silu(h) if activation == "silu" else ops.gelu(h, "tanh" if activation == "gelu_tanh" else "none")
-        return y.view(*x.shape[:-1], weight.shape[0])
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
-    if grad:
-        y = _LinearActivation.apply(x2, weight, bias, activation)
-    elif torch.compiler.is_compiling() or type(x) is not torch.Tensor:
-        h = _gemm(x2, weight, bias)  # traced: the custom op, out of place
+    if _tracing_state() is not None or not grad and (torch.compiler.is_compiling() or type(x) is not torch.Tensor):
+        # Traced or a subclass: our GEMM route (16-bit widened where that is
+        # the policy), then the functional custom op out of place.
+        # torch.jit.trace records dispatcher ops only (_activate_'s write in
+        # place is none), and its graph must not depend on the grad mode
+        # (check_trace changes it), so it takes this with grad too.
+        h = _gemm(x2, weight, bias)
         y = ops.silu(h) if activation == "silu" else ops.gelu(h, "tanh" if activation == "gelu_tanh" else "none")
+    elif grad:
+        y = _LinearActivation.apply(x2, weight, bias, activation)
     else:
         y = _activate_(_gemm(x2, weight, bias), activation)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -141,6 +141,7 @@ class HFRMSNorm(RMSNorm):
             h = x.to(torch.float32)
             dims = [-1 - i for i in range(len(self.normalized_shape))]  # every normalized dim, as eager
             # eps None: float32's, as the eager forward (_OPMATH_EPS; 1e-6 put a script 0.74 off at x ~ 1e-3)
+            # (the literal: TorchScript does not read a module-level float such as _OPMATH_EPS)
             h = h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + (1.1920928955078125e-07 if eps is None else eps))
             w = self.weight
             return h.to(x.dtype) if w is None else w * h.to(x.dtype)
